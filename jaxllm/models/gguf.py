@@ -1,0 +1,133 @@
+"""GGUF checkpoints: config from metadata, tensors dequantized and renamed to HF names.
+
+Owns: llama.cpp's naming and layout conventions (tensor names, the Q/K row permutation its
+converter applies to Llama-style models). Reads with the `gguf` package (no torch); yields
+HF-named float32 tensors one at a time so the caller never holds a second full copy.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import numpy as np
+
+# general.architecture -> (HF architecture, whether llama.cpp permuted the q/k rows)
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", True),
+    "mistral": ("MistralForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _reader(path: str):
+    from gguf import GGUFReader
+    return GGUFReader(path)
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_to_hf_config(reader) -> dict:
+    """A config.json-like dict from GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(sorted(_ARCHS))})")
+    p = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    vocab = p("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    heads = int(p("attention.head_count"))
+    hidden = int(p("embedding_length"))
+    cfg = {
+        "architectures": [_ARCHS[arch][0]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(p("feed_forward_length")),
+        "num_hidden_layers": int(p("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(p("attention.head_count_kv", heads)),
+        "head_dim": int(p("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(p("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(p("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(p("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if "rope_freqs.weight" in names or p("rope.scaling.type") not in (None, "none"):
+        # Llama 3.1 GGUFs precompute scaled frequencies into a tensor; we have not wired that.
+        raise ValueError("GGUF files with RoPE scaling (rope_freqs / rope.scaling.*) are not "
+                         "supported yet; load the HF safetensors checkpoint instead")
+    return cfg
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's converter permutation of q/k rows (interleaved -> rotate-half RoPE).
+
+    The converter stores, per head, rows [r0, r_h, r1, r_{h+1}, ...]; HF wants the two
+    halves contiguous again: view rows as [head, pair, 2] and swap the last two axes back.
+    """
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def iter_gguf_tensors(reader, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (hf_name, float32 array in HF layout); unknown tensor names pass through
+    unchanged so the loader reports them as unexpected."""
+    from gguf.quants import dequantize
+
+    permuted = _ARCHS[_field(reader, "general.architecture")][1]
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name) or t.name
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            w = unpermute_rows(w, n)
+        yield name, w
+
+
+def load_gguf(path: str, dtype, sharding=None):
+    """-> (model, ModelConfig, generation_config dict)."""
+    from jaxllm.models.config import ModelConfig
+    from jaxllm.models.weights import load_params
+
+    reader = _reader(path)
+    hf_cfg = gguf_to_hf_config(reader)
+    cfg = ModelConfig.from_hf_config(hf_cfg)
+    gen = {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": hf_cfg["eos_token_id"]}
+    model = load_params(cfg, iter_gguf_tensors(reader, hf_cfg), dtype, sharding)
+    return model, cfg, gen

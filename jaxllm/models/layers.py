@@ -1,0 +1,120 @@
+"""Small numerically explicit layers: RMSNorm, rotary embeddings, gated MLP, paged attention.
+
+Letters: T tokens, D model dim, N query heads, K kv heads, H head dim, F mlp dim.
+Norms and RoPE angles are computed in float32 whatever the parameter dtype: in bf16 the
+variance of a 4k-wide row and angles at position ~8k lose too many bits, and HF does the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.models.base import AttentionMetadata
+from jaxllm.models.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs | None = None):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))  # [dim]
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(var + self.eps)
+        # HF casts back to the input dtype before the weight multiply; match it bit for bit.
+        return self.weight[...] * y.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """[H/2] float32 inverse frequencies, with llama3 scaling when configured."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32)
+                           / head_dim))
+    inv = inv.astype(np.float32)
+    if scaling is None:
+        return inv
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x_TNH, positions_T, inv_freq):
+    """Non-interleaved ("rotate half") RoPE as in HF Llama; math in float32."""
+    angles_TF = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    cos_T1H = jnp.concatenate([jnp.cos(angles_TF)] * 2, axis=-1)[:, None, :]
+    sin_T1H = jnp.concatenate([jnp.sin(angles_TF)] * 2, axis=-1)[:, None, :]
+    x32 = x_TNH.astype(jnp.float32)
+    half = x32.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos_T1H + rotated * sin_T1H).astype(x_TNH.dtype)
+
+
+def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(D, F, False, dtype, rngs)
+        self.up_proj = _linear(D, F, False, dtype, rngs)
+        self.down_proj = _linear(F, D, False, dtype, rngs)
+
+    def __call__(self, x_TD):
+        h_TF = jax.nn.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD)
+        return self.down_proj(h_TF)
+
+
+def write_kv(cache_CPKH, new_TKH, slot_mapping_T):
+    """Scatter new K or V rows into their cache slots (in place when the cache is donated)."""
+    C, P, K, H = cache_CPKH.shape
+    flat = cache_CPKH.reshape(C * P, K, H)
+    flat = flat.at[slot_mapping_T].set(new_TKH.astype(cache_CPKH.dtype))
+    return flat.reshape(C, P, K, H)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        D, N, K, H = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                      cfg.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+        self.q_proj = _linear(D, N * H, cfg.attention_bias, dtype, rngs)
+        self.k_proj = _linear(D, K * H, cfg.attention_bias, dtype, rngs)
+        self.v_proj = _linear(D, K * H, cfg.attention_bias, dtype, rngs)
+        self.o_proj = _linear(N * H, D, False, dtype, rngs)
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k, before RoPE
+            self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        # A tuple of floats: static (part of the graphdef), baked into the step as a constant.
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling))
+        self.sm_scale = 1.0 / math.sqrt(H)
+
+    def __call__(self, x_TD, kv, md: AttentionMetadata, attn_fn):
+        T = x_TD.shape[0]
+        q_TNH = self.q_proj(x_TD).reshape(T, self.num_heads, self.head_dim)
+        k_TKH = self.k_proj(x_TD).reshape(T, self.num_kv_heads, self.head_dim)
+        v_TKH = self.v_proj(x_TD).reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
+        q_TNH = apply_rope(q_TNH, md.positions, self.inv_freq)
+        k_TKH = apply_rope(k_TKH, md.positions, self.inv_freq)
+        k_cache, v_cache = kv
+        k_cache = write_kv(k_cache, k_TKH, md.slot_mapping)
+        v_cache = write_kv(v_cache, v_TKH, md.slot_mapping)
+        o_TNH = attn_fn(q_TNH, k_cache, v_cache, md.block_tables, md.seq_lens,
+                        md.query_start_loc, md.num_seqs, sm_scale=self.sm_scale)
+        return self.o_proj(o_TNH.reshape(T, -1)), (k_cache, v_cache)

@@ -1,0 +1,27 @@
+"""Architecture registry keyed on config.json's `architectures[0]`."""
+
+from __future__ import annotations
+
+from jaxllm.models.config import ModelConfig
+from jaxllm.models.llama import LlamaForCausalLM
+
+# Mistral, Qwen2 and Qwen3 are Llama with config flags (attention_bias, qk_norm): one class.
+_MODELS = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(cfg: ModelConfig):
+    try:
+        return _MODELS[cfg.architecture]
+    except KeyError:
+        raise ValueError(
+            f"Model architecture {cfg.architecture!r} is not supported by jaxllm. "
+            f"Supported architectures: {', '.join(supported_architectures())}") from None

@@ -1,0 +1,126 @@
+"""Checkpoint tensors -> model parameters, through an explicit name map with shape checks.
+
+Owns: the HF-name <-> parameter-path map, building the model abstractly (nnx.eval_shape) and
+filling it one tensor at a time, and the HF-directory reader (config.json, single or sharded
+safetensors, generation_config.json). Must never hold a second full copy of the weights:
+each tensor is converted and placed on device, then its host buffer is dropped.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from typing import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.models.config import ModelConfig
+from jaxllm.models.registry import get_model_class
+from jaxllm.models.safetensors_io import iter_tensors
+
+# Checkpoint tensors that carry no parameters (old Llama checkpoints store RoPE buffers).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LINEAR = re.compile(r".*_proj$|^lm_head$")
+
+
+def hf_name(path: tuple) -> str:
+    """('model', 'layers', 3, 'self_attn', 'q_proj', 'kernel') -> HF tensor name."""
+    *mods, leaf = (str(p) for p in path)
+    hf_leaf = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
+    return ".".join(mods + [hf_leaf])
+
+
+def to_param(path: tuple, tensor: np.ndarray) -> np.ndarray:
+    """HF layout -> our layout: linear weights are stored [out, in], nnx kernels [in, out]."""
+    if str(path[-1]) == "kernel" and _LINEAR.match(str(path[-2])):
+        return tensor.T
+    return tensor
+
+
+def abstract_model(cfg: ModelConfig, dtype):
+    """The model with ShapeDtypeStruct leaves: nothing allocated yet."""
+    cls = get_model_class(cfg)
+    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def load_params(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype,
+                sharding=None):
+    """Build the model from (hf_name, array) pairs. Raises naming every missing, unexpected
+    or misshapen tensor. `sharding(path) -> jax.sharding.Sharding | None` places each one."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    flat = dict(nnx.to_flat_state(state))
+    by_name = {hf_name(path): path for path in flat}
+    seen, unexpected, bad_shapes = set(), [], []
+    for name, tensor in tensors:
+        path = by_name.get(name)
+        if path is None:
+            if not (_IGNORED.match(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings)):
+                unexpected.append(name)
+            continue
+        value = to_param(path, tensor)
+        want = flat[path].get_value()
+        if tuple(value.shape) != tuple(want.shape):
+            bad_shapes.append(f"{name}: checkpoint {tuple(tensor.shape)}, "
+                              f"model expects {tuple(want.shape)} (as {tuple(want.shape)[::-1]}"
+                              f" if stored [out, in])")
+            continue
+        arr = np.asarray(value, dtype=want.dtype)
+        placement = sharding(path) if sharding is not None else None
+        flat[path].set_value(jax.device_put(arr, placement) if placement is not None
+                             else jnp.asarray(arr))
+        seen.add(name)
+    missing = sorted(set(by_name) - seen)
+    if missing or unexpected or bad_shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
+        if bad_shapes:
+            parts.append(f"wrong shapes: {'; '.join(bad_shapes)}")
+        raise ValueError(f"checkpoint does not match {cfg.architecture}: " + " | ".join(parts))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# ---- HF directories ----------------------------------------------------------------------
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        shards = sorted(set(read_json(index)["weight_map"].values()))
+        files = [os.path.join(model_dir, s) for s in shards]
+        absent = [f for f in files if not os.path.exists(f)]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shards that are not present: {absent}")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iter_hf_dir_tensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
+    for path in safetensors_files(model_dir):
+        yield from iter_tensors(path)
+
+
+def load_hf_dir(model_dir: str, dtype, sharding=None):
+    """-> (model, ModelConfig, generation_config dict)."""
+    cfg_path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    cfg = ModelConfig.from_hf_config(read_json(cfg_path))
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    gen = read_json(gen_path) if os.path.exists(gen_path) else {}
+    model = load_params(cfg, iter_hf_dir_tensors(model_dir), dtype, sharding)
+    return model, cfg, gen
