@@ -1,0 +1,70 @@
+"""EngineConfig: every knob `LLM(...)` takes, frozen and validated with ValueError.
+
+Owns: defaults (which differ between CPU and accelerators, see below) and the range checks.
+Never loads a model or touches a device beyond asking which platform jax runs on.
+
+CPU defaults, chosen for a 2-core machine where each compiled bucket costs seconds:
+  max_num_seqs 64, max_num_batched_tokens 512, max_model_len min(model max, 2048),
+  KV cache 1 GiB (CPU_DEFAULT_KV_CACHE_BYTES) unless kv_cache_memory_bytes is given.
+Accelerator defaults follow vLLM: max_num_seqs 256, max_num_batched_tokens 8192,
+  max_model_len = the model's, KV cache = gpu_memory_utilization of device memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+CPU_DEFAULT_MAX_MODEL_LEN = 2048
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False  # compile buckets lazily instead of all at start-up
+    attention_backend: str | None = None  # None: "pallas" on GPU, "xla" elsewhere
+    compilation_cache_dir: str | None = None  # turns on JAX's persistent compilation cache
+    max_logprobs: int = 20
+    gguf_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                     "kv_cache_memory_bytes", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None for the default), got {value}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if (self.max_num_seqs and self.max_num_batched_tokens
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})")
+
+    def resolved(self, model_max_len: int, on_accelerator: bool) -> "EngineConfig":
+        """Fill the None defaults for this model and platform."""
+        max_model_len = self.max_model_len or (
+            model_max_len if on_accelerator else min(model_max_len, CPU_DEFAULT_MAX_MODEL_LEN))
+        max_num_seqs = self.max_num_seqs or (256 if on_accelerator else 64)
+        max_num_batched_tokens = self.max_num_batched_tokens or max(
+            8192 if on_accelerator else 512, max_num_seqs)
+        return dataclasses.replace(self, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens)

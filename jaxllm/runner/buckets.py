@@ -1,0 +1,66 @@
+"""Static shapes: every device batch is padded up to a bucket from a small sorted list.
+
+Owns: the bucket lists and the padding rule (one `bisect`). A step never runs at a shape
+outside `BucketConfig.all_shapes()`, so compiling those at start-up is all the compiling
+serving will ever do.
+
+Three padded sizes per step:
+  T  tokens             powers of two in [min_tokens, max_num_batched_tokens]
+  S  sequences          tied to T: min(T, S_max); a step never has more sequences than
+                        tokens, and tying them keeps the number of compiled shapes linear
+  W  block-table width  blocks per sequence. With the XLA attention (CPU) every token reads
+                        W * block_size keys, so W is bucketed (powers of 4); the Pallas kernel
+                        skips unused blocks itself, so it uses one width.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+
+def power_of_two_buckets(lo: int, hi: int, base: int = 2) -> tuple[int, ...]:
+    """Sorted powers of `base` from lo up, always ending exactly at hi."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= base
+    out.append(hi)
+    return tuple(out)
+
+
+def pad_to_bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{what}={n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketConfig:
+    token_buckets: tuple[int, ...]
+    max_seqs: int  # S_max: max_num_seqs
+    width_buckets: tuple[int, ...]  # block-table widths
+
+    @classmethod
+    def create(cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+               bucket_widths: bool, min_tokens: int = 16) -> "BucketConfig":
+        tokens = power_of_two_buckets(min(min_tokens, max_num_batched_tokens),
+                                      max_num_batched_tokens)
+        widths = (power_of_two_buckets(min(4, max_blocks_per_seq), max_blocks_per_seq, base=4)
+                  if bucket_widths else (max_blocks_per_seq,))
+        return cls(tokens, max_num_seqs, widths)
+
+    def seqs_for(self, padded_tokens: int) -> int:
+        return min(padded_tokens, self.max_seqs)
+
+    def pad(self, num_tokens: int, num_seqs: int, max_blocks: int) -> tuple[int, int, int]:
+        """-> (T, S, W) for a step; S >= num_seqs holds because num_seqs <= num_tokens."""
+        T = pad_to_bucket(num_tokens, self.token_buckets, "num_tokens")
+        S = self.seqs_for(T)
+        assert num_seqs <= S, (num_seqs, S)
+        W = pad_to_bucket(max_blocks, self.width_buckets, "blocks per sequence")
+        return T, S, W
+
+    def all_shapes(self) -> list[tuple[int, int, int]]:
+        return [(T, self.seqs_for(T), W) for T in self.token_buckets for W in self.width_buckets]
