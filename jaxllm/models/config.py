@@ -35,7 +35,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    attention_bias: bool = False  # bias on q/k/v projections (always for Qwen2)
+    o_proj_bias: bool = False  # bias on o_proj too (Llama/Mistral/Qwen3 `attention_bias`)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -89,6 +90,7 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,

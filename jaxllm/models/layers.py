@@ -93,7 +93,7 @@ class Attention(nnx.Module):
         self.q_proj = _linear(D, N * H, cfg.attention_bias, dtype, rngs)
         self.k_proj = _linear(D, K * H, cfg.attention_bias, dtype, rngs)
         self.v_proj = _linear(D, K * H, cfg.attention_bias, dtype, rngs)
-        self.o_proj = _linear(N * H, D, False, dtype, rngs)
+        self.o_proj = _linear(N * H, D, cfg.o_proj_bias, dtype, rngs)
         if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k, before RoPE
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)

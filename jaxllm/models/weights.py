@@ -116,6 +116,8 @@ def iter_hf_dir_tensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
 
 def load_hf_dir(model_dir: str, dtype, sharding=None):
     """-> (model, ModelConfig, generation_config dict)."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
     cfg_path = os.path.join(model_dir, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{model_dir} has no config.json")

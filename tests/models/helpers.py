@@ -1,0 +1,178 @@
+"""Test helpers: a paged batch builder and the jitted model step, as the runner will use them.
+
+Owns: turning per-sequence (new tokens, cached length, physical blocks) into one packed,
+padded AttentionMetadata; a shuffled block pool so block tables are non-contiguous and
+non-monotonic; NaN-filled KV caches (attention must never read an unwritten slot); and a
+step jitted over (graphdef, state) with the caches donated; tiny randomized HF reference
+models (torch imported lazily). Never compares numbers: the test modules own tolerances.
+
+Packed layout, T = 16 rows, S = 4 sequences (2 real):
+
+    rows:      | seq 0: 3 new | seq 1: 1 new | padding rows 4..15 (slot -> null block 0) |
+    qsl:       0              3              4 = qsl[num_seqs] = qsl[2] = qsl[3] = qsl[4]
+    seq_lens:  [cached0 + 3, cached1 + 1, 0, 0]
+    positions: cached0, cached0 + 1, cached0 + 2, cached1, 0, 0, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.models.base import AttentionMetadata, KVCache
+from jaxllm.models.config import ModelConfig
+
+NULL_BLOCK = 0
+
+
+class ShuffledBlockPool:
+    """Hands out physical blocks 1..num_blocks-1 in a seeded random order (0 is the null block)."""
+
+    def __init__(self, num_blocks: int, seed: int):
+        ids = np.arange(1, num_blocks)
+        np.random.default_rng(seed).shuffle(ids)
+        self._free = [int(i) for i in ids]
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("test block pool exhausted: raise num_blocks")
+        return self._free.pop()
+
+
+@dataclasses.dataclass
+class PagedSequence:
+    """One sequence's cache: its physical blocks and how many tokens they already hold."""
+
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0
+
+    def reserve(self, num_tokens: int, pool: ShuffledBlockPool, block_size: int) -> None:
+        """Allocate blocks until they cover `num_tokens` tokens in total."""
+        while len(self.block_ids) * block_size < num_tokens:
+            self.block_ids.append(pool.allocate())
+
+
+def build_metadata(new_token_ids: Sequence[Sequence[int]], num_cached: Sequence[int],
+                   block_ids: Sequence[Sequence[int]], *, block_size: int, max_blocks: int,
+                   num_tokens_padded: int, num_seqs_padded: int) -> AttentionMetadata:
+    """Pack sequences' new tokens into one [T] batch with T, S padded to the given buckets.
+
+    Sequence s feeds `new_token_ids[s]` at positions num_cached[s].., its K/V going to the
+    slots of `block_ids[s]` (its logical-to-physical block table)."""
+    S_real = len(new_token_ids)
+    q_lens = [len(t) for t in new_token_ids]
+    T_real = sum(q_lens)
+    if not (len(num_cached) == len(block_ids) == S_real):
+        raise ValueError("new_token_ids, num_cached and block_ids need one entry per sequence")
+    if T_real > num_tokens_padded or S_real > num_seqs_padded:
+        raise ValueError(f"{T_real} tokens / {S_real} seqs do not fit the bucket "
+                         f"({num_tokens_padded}, {num_seqs_padded})")
+
+    input_ids = np.zeros(num_tokens_padded, np.int32)
+    positions = np.zeros(num_tokens_padded, np.int32)
+    # Padding rows write their (garbage) K/V into the null block, spread over its slots.
+    slot_mapping = np.arange(num_tokens_padded, dtype=np.int32) % block_size
+    block_tables = np.full((num_seqs_padded, max_blocks), NULL_BLOCK, np.int32)
+    seq_lens = np.zeros(num_seqs_padded, np.int32)
+    query_start_loc = np.full(num_seqs_padded + 1, T_real, np.int32)
+
+    row = 0
+    for s, (tokens, cached, blocks) in enumerate(zip(new_token_ids, num_cached, block_ids)):
+        total = cached + len(tokens)
+        if len(blocks) * block_size < total or len(blocks) > max_blocks:
+            raise ValueError(f"seq {s}: {len(blocks)} blocks for {total} tokens "
+                             f"(block_size {block_size}, max_blocks {max_blocks})")
+        if NULL_BLOCK in blocks:
+            raise ValueError(f"seq {s}: the null block {NULL_BLOCK} is not allocatable")
+        pos = np.arange(cached, total, dtype=np.int32)
+        blocks_arr = np.asarray(blocks, np.int32)
+        query_start_loc[s] = row
+        input_ids[row: row + len(tokens)] = tokens
+        positions[row: row + len(tokens)] = pos
+        slot_mapping[row: row + len(tokens)] = blocks_arr[pos // block_size] * block_size + \
+            pos % block_size
+        block_tables[s, :len(blocks)] = blocks_arr
+        seq_lens[s] = total
+        row += len(tokens)
+
+    return AttentionMetadata(
+        input_ids=jnp.asarray(input_ids), positions=jnp.asarray(positions),
+        slot_mapping=jnp.asarray(slot_mapping), block_tables=jnp.asarray(block_tables),
+        seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(query_start_loc),
+        num_seqs=jnp.asarray(S_real, jnp.int32))
+
+
+def nan_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
+    """Caches whose every slot is NaN until written: a read of an unwritten slot shows up."""
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [(jnp.full(shape, jnp.nan, dtype), jnp.full(shape, jnp.nan, dtype))
+            for _ in range(cfg.num_hidden_layers)]
+
+
+def jit_step(model, attention_backend: str = "xla"):
+    """-> step(md, kv_caches) -> (logits [T, V] f32, kv_caches), jitted once over
+    (graphdef, state) with the caches donated, as the model runner does it."""
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnames=("kv_caches",))
+    def step(state, md, kv_caches):
+        m = nnx.merge(graphdef, state)
+        hidden_TD, kv_caches = m(md, kv_caches, attention_backend)
+        return m.compute_logits(hidden_TD), kv_caches
+
+    return lambda md, kv_caches: step(state, md, kv_caches=kv_caches)
+
+
+def prefill_logits(model, cfg: ModelConfig, token_ids: Sequence[int], *, block_size: int = 4,
+                   dtype=jnp.float32, seed: int = 0) -> np.ndarray:
+    """[len, V] logits of one sequence prefilled alone through the paged, jitted step
+    (shuffled blocks, T padded to a multiple of 16, one padding sequence)."""
+    n = len(token_ids)
+    num_blocks = -(-n // block_size) + 2
+    pool = ShuffledBlockPool(num_blocks, seed)
+    seq = PagedSequence()
+    seq.reserve(n, pool, block_size)
+    md = build_metadata([token_ids], [0], [seq.block_ids], block_size=block_size,
+                        max_blocks=num_blocks, num_tokens_padded=-(-n // 16) * 16 + 16,
+                        num_seqs_padded=2)
+    logits, _ = jit_step(model)(md, nan_kv_caches(cfg, num_blocks, block_size, dtype))
+    return np.asarray(logits)[:n]
+
+
+# ---- HF reference models (PyTorch CPU, float32) ---------------------------------------------
+
+def tiny_hf_model(config_cls_name: str, arch: str, seed: int, **config_kwargs):
+    """A transformers model with every parameter random (HF zero-inits biases and sets norms
+    to one, which would hide a missing bias or norm). Norm weights stay near one."""
+    import torch
+    import transformers
+
+    hf_cfg = getattr(transformers, config_cls_name)(attn_implementation="eager", **config_kwargs)
+    hf_cfg.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.normal_(1.0, 0.1)
+            else:
+                p.data.normal_(0.0, 0.1)
+    return model
+
+
+def hf_numpy_state(model) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def hf_logits(model, token_ids: Sequence[int]) -> np.ndarray:
+    """[len, V] float32 logits of one sequence alone, no cache."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()

