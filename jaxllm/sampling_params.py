@@ -1,0 +1,163 @@
+"""User-facing sampling parameters, with vLLM's names, defaults and validation.
+
+This module owns what a user may ask for and the checks on it. It must never touch devices or
+tokenizers: turning parameters into arrays is `jaxllm/runner/sampling_metadata.py`'s job.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import math
+
+# Temperatures below this mean greedy decoding (vLLM's `_SAMPLING_EPS`). Unlike vLLM we do not
+# raise temperatures in [1e-5, 1e-2) to 1e-2: our sampler works on logits / T with max-shifted
+# softmaxes and comparisons only, which stay finite for any T >= 1e-5.
+SAMPLING_EPS = 1e-5
+# vLLM's default `max_logprobs`: the most logprobs (sample or prompt) one request may ask for. The
+# sampler's static top-k width is built from it, so raising it costs compile variants.
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to sample one request's continuation.
+
+    top_k convention: 0 disables it (vLLM's current convention); -1 is also accepted as "disabled"
+    for compatibility with older vLLM and is normalised to 0; any k >= 1 keeps the k most likely
+    tokens.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0  # over generated tokens; in [-2, 2]
+    frequency_penalty: float = 0.0  # over generated tokens; in [-2, 2]
+    repetition_penalty: float = 1.0  # over prompt + generated tokens; > 0, 1 = off
+    temperature: float = 1.0  # >= 0; below SAMPLING_EPS means greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # 0 (or -1) = off, else >= 1
+    min_p: float = 0.0  # in [0, 1], relative to the most likely token's probability
+    seed: int | None = None
+    stop: str | list[str] | None = None  # normalised to a list
+    stop_token_ids: list[int] | None = None  # normalised to a list without duplicates
+    ignore_eos: bool = False
+    # vLLM defaults to 16, which silently truncates almost every answer and is a long-standing
+    # complaint. We pick 256: enough for a typical chat reply or short completion, while a model
+    # that never emits EOS still stops after a bounded, cheap amount of work. Pass max_tokens
+    # explicitly for longer outputs.
+    max_tokens: int = 256
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    logprobs: int | None = None  # top-k raw logprobs per generated token (+ the sampled one)
+    prompt_logprobs: int | None = None  # top-k raw logprobs per prompt token (+ the actual one)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        if self.seed == -1:  # vLLM treats seed=-1 as "no seed"
+            self.seed = None
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        self._verify_args()
+        self.verify(MAX_LOGPROBS)
+        if self.temperature < SAMPLING_EPS:
+            # Greedy: the truncation knobs cannot change an argmax, so turn them off to keep the
+            # batch on the cheapest sampler path.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    def _verify_args(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool):
+            raise ValueError(f"n must be an int, got {type(self.n).__name__}.")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise ValueError("repetition_penalty must be a finite number greater than zero, "
+                             f"got {self.repetition_penalty}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError("temperature must be a finite non-negative number, "
+                             f"got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            raise ValueError(f"top_k must be an int, got {type(self.top_k).__name__}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disabled), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int of at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}.")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int or None, got {type(self.seed).__name__}.")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must contain only non-negative ints, "
+                             f"got {self.stop_token_ids}.")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must contain only non-empty strings, got {self.stop}.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True.")
+
+    def verify(self, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Check the logprob requests against the engine's cap (raises ValueError)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name} must be None or in [0, {max_logprobs}], got {value}.")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters a streaming caller must hold back so that a stop string is never shown."""
+        if self.stop and not self.include_stop_str_in_output:
+            return max(len(s) for s in self.stop) - 1
+        return 0
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, so that engine-side edits never leak into the user's object."""
+        return copy.deepcopy(self)

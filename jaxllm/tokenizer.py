@@ -1,0 +1,105 @@
+"""Loading a Hugging Face fast tokenizer, from a model directory / hub id or from a GGUF file.
+
+Owns: turning GGUF tokenizer metadata into a `PreTrainedTokenizerFast` that encodes exactly like
+transformers' own GGUF loader. Must never import torch: transformers'
+`from_pretrained(gguf_file=...)` reads the file through a torch-based reader, so we read the
+metadata with the `gguf` package and call only transformers' torch-free converter.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import transformers
+
+
+def get_tokenizer(path_or_id: str | os.PathLike, *, gguf_file: str | os.PathLike | None = None,
+                  trust_remote_code: bool = False) -> transformers.PreTrainedTokenizerFast:
+    """The tokenizer of a model.
+
+    gguf_file: a GGUF file name, absolute or relative to `path_or_id`; when given, the tokenizer
+    is built from the file's metadata. Otherwise `path_or_id` is a directory or hub id for
+    `AutoTokenizer`. A `path_or_id` that is itself a `.gguf` file is accepted too.
+    """
+    path = os.fspath(path_or_id)
+    if gguf_file is None and path.endswith(".gguf") and os.path.isfile(path):
+        return tokenizer_from_gguf(path)
+    if gguf_file is not None:
+        gguf_path = os.fspath(gguf_file)
+        if not os.path.isabs(gguf_path):
+            gguf_path = os.path.join(path, gguf_path)
+        return tokenizer_from_gguf(gguf_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        path, trust_remote_code=trust_remote_code)
+    if not isinstance(tokenizer, transformers.PreTrainedTokenizerFast):
+        raise ValueError(f"{path!r} has no fast tokenizer (got {type(tokenizer).__name__}); "
+                         "jaxllm's detokenizer needs one.")
+    return tokenizer
+
+
+def tokenizer_from_gguf(gguf_path: str, reader: Any = None) -> transformers.PreTrainedTokenizerFast:
+    """Build the fast tokenizer a GGUF file describes (no torch).
+
+    reader: an already open `gguf.GGUFReader` of the same file, to share with the weight loader
+    (building one parses every metadata string and takes seconds).
+    """
+    # Imported here: the converter module pulls in several tokenizer classes we only need for GGUF.
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    architecture, tokenizer_dict, tokenizer_config = read_gguf_tokenizer_metadata(gguf_path, reader)
+    backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    kwargs = {key: value for key, value in tokenizer_config.items() if value is not None}
+    kwargs.update(extra_kwargs)
+    # add_bos_token/add_eos_token are passed explicitly (False when the file is silent), so the
+    # post-processor is rebuilt to match them instead of keeping whatever the converter left.
+    kwargs.setdefault("add_bos_token", False)
+    kwargs.setdefault("add_eos_token", False)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+
+
+def read_gguf_tokenizer_metadata(
+        gguf_path: str, reader: Any = None) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(architecture, tokenizer_dict, tokenizer_config) in the layout transformers' converter takes.
+
+    Mirrors transformers' `get_gguf_tokenizer`, which we cannot call (its reader imports torch):
+    the same key renames (we import transformers' table so both stay in sync), the same default
+    for old sentencepiece files, and special tokens given as strings.
+    """
+    import gguf  # noqa: PLC0415  (heavy; only needed for GGUF files)
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+
+    if reader is None:
+        reader = gguf.GGUFReader(gguf_path)
+
+    def value(key: str) -> Any:
+        field = reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    architecture = value("general.architecture")
+    grouped: dict[str, dict[str, Any]] = {}
+    for group, renames in GGUF_TOKENIZER_MAPPING.items():
+        grouped[group] = {}
+        for key, name in renames.items():
+            found = value(f"tokenizer.{key}")
+            if found is not None:
+                grouped[group][name] = found
+    tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if "tokens" not in tokenizer_dict:
+        raise ValueError(f"{gguf_path} has no tokenizer.ggml.tokens: it carries no tokenizer.")
+
+    tokenizer_type = tokenizer_dict.get("tokenizer_type")
+    if tokenizer_type == "llama":
+        # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise.
+        tokenizer_config.setdefault("add_bos_token", True)
+    elif tokenizer_type == "gemma4":
+        # The reference tokenizer adds no BOS here: the chat template writes it (transformers does
+        # the same override).
+        tokenizer_config["add_bos_token"] = False
+
+    tokens = tokenizer_dict["tokens"]
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        token_id = value(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = tokens[token_id] if token_id is not None else None
+    return architecture, tokenizer_dict, tokenizer_config

@@ -1,0 +1,313 @@
+"""The jitted sampler: exact checks against argmax / numpy, seeded reproducibility, padding,
+logprobs, and sampling frequencies. Most tests share S=4, V=32 so the jit cache is reused."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.engine.logprobs import LogprobsLists
+from jaxllm.runner.sampler import (apply_penalties, apply_top_k_top_p, logprobs_lists,
+                                   prompt_logprobs_jit, sample_jit)
+from jaxllm.runner.sampling_metadata import (SampleMode, SamplerVariant, SamplingRow,
+                                             build_sampling_metadata, dummy_sampling_metadata,
+                                             request_seed, sampler_variants)
+from jaxllm.sampling_params import SamplingParams
+
+S, V, L = 4, 32, 16
+EOS = 2
+
+
+def make_logits(seed, num_rows=S, vocab=V):
+    return np.array(jax.random.normal(jax.random.key(seed), (num_rows, vocab)) * 3.0)
+
+
+def row(seed=0, prompt=(3, 4), output=(), **kwargs):
+    """seed: the row's resolved seed (the request's own `seed` if kwargs has one)."""
+    params = SamplingParams(**kwargs)
+    return SamplingRow(params, seed if params.seed is None else params.seed, list(prompt),
+                       list(output))
+
+
+def run(rows, logits, num_seqs_padded=S):
+    md = build_sampling_metadata(rows, num_seqs_padded=num_seqs_padded, eos_token_ids=[EOS],
+                                 max_model_len=L)
+    return md, jax.device_get(sample_jit(jnp.asarray(logits), md))
+
+
+def test_greedy_is_argmax():
+    logits = make_logits(0)
+    md, out = run([row(temperature=0.0) for _ in range(3)], logits)
+    assert md.variant == SamplerVariant(SampleMode.GREEDY)
+    np.testing.assert_array_equal(out.sampled_token_ids[:3], logits[:3].argmax(-1))
+    assert out.logprobs is None
+
+
+@pytest.mark.parametrize("step", [0, 1, 7])
+def test_top_k_1_and_tiny_top_p_are_greedy(step):
+    logits = make_logits(1)
+    output = [5] * step
+    rows = [row(seed=11, output=output, top_k=1), row(seed=12, output=output, top_p=1e-6),
+            row(seed=13, output=output, temperature=0.0), row(seed=14, output=output, top_k=1,
+                                                              top_p=1e-6, temperature=2.0)]
+    md, out = run(rows, logits)
+    assert md.variant.mode == SampleMode.RANDOM_TOP_K_TOP_P
+    np.testing.assert_array_equal(out.sampled_token_ids, logits.argmax(-1))
+
+
+def top_k_top_p_numpy(x, k, p):
+    """Sort-based reference: keep the top k, then the fewest top tokens reaching mass p."""
+    order = np.argsort(-x)
+    keep = np.zeros(len(x), bool)
+    keep[order[:k or len(x)]] = True
+    probs = np.exp(np.where(keep, x, -np.inf) - x.max())
+    probs /= probs.sum()
+    above = np.cumsum(probs[order]) - probs[order]  # mass strictly above each token
+    if p < 1:
+        keep[order[above >= p]] = False
+    return keep
+
+
+def test_top_k_top_p_threshold_search_matches_sorting():
+    num_rows, vocab = 64, 300
+    x = np.array(jax.random.normal(jax.random.key(7), (num_rows, vocab)) * 2.5, np.float32)
+    rng = np.random.RandomState(0)
+    k = rng.choice([0, 1, 2, 17, 299, 300, 1000], num_rows).astype(np.int32)
+    p = rng.choice([1.0, 0.95, 0.5, 0.1, 1e-6], num_rows).astype(np.float32)
+    got = np.isfinite(np.asarray(jax.jit(apply_top_k_top_p)(x, k, p)))
+    for i in range(num_rows):
+        np.testing.assert_array_equal(got[i], top_k_top_p_numpy(x[i].astype(np.float64), k[i],
+                                                                  p[i]), err_msg=f"row {i}")
+
+
+def test_min_p_keeps_only_tokens_near_the_top():
+    logits = np.zeros((S, V), np.float32)
+    logits[:, :4] = np.log([0.3, 0.25, 0.15, 0.1])  # rest share what is left, each < 0.5 * 0.3
+    probs = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    allowed = set(np.flatnonzero(probs >= 0.5 * probs.max()).tolist())
+    seen = collections.Counter()
+    for step in range(25):
+        rows = [row(seed=s, output=[9] * step, min_p=0.5) for s in range(S)]
+        md, out = run(rows, logits)
+        assert md.variant.mode == SampleMode.RANDOM
+        seen.update(out.sampled_token_ids.tolist())
+    assert set(seen) <= allowed and len(seen) > 1
+
+
+def penalties_numpy(logits, prompt, output, presence, frequency, repetition):
+    x = logits.astype(np.float64).copy()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+    for t, count in collections.Counter(output).items():
+        x[t] -= frequency * count + presence
+    return x
+
+
+def test_penalties_match_numpy():
+    logits = make_logits(2)
+    cases = [dict(prompt=[1, 1, 5, 30], output=[5, 6, 6, 6, 0], presence_penalty=0.7,
+                  frequency_penalty=-0.3, repetition_penalty=1.3),
+             dict(prompt=[2], output=[], repetition_penalty=0.8),
+             dict(prompt=[7, 8], output=[8, 9, 9], presence_penalty=-1.5, frequency_penalty=2.0)]
+    rows = [row(prompt=c.pop("prompt"), output=c.pop("output"), **c) for c in cases]
+    md = build_sampling_metadata(rows, num_seqs_padded=S, eos_token_ids=[EOS], max_model_len=L)
+    assert md.variant.do_penalties
+    got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), md.penalties))
+    for i, r in enumerate(rows):
+        p = r.params
+        want = penalties_numpy(logits[i], r.prompt_token_ids, r.output_token_ids,
+                               p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[3], logits[3])  # padding row untouched
+
+
+def test_penalties_change_the_greedy_choice():
+    logits = np.zeros((S, V), np.float32)
+    logits[:, 6] = 2.0
+    logits[:, 9] = 1.5
+    _, out = run([row(temperature=0.0, output=[6, 6], frequency_penalty=0.5)], logits)
+    assert out.sampled_token_ids[0] == 9
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = np.zeros((S, V), np.float32)
+    logits[:, EOS], logits[:, 7], logits[:, 5] = 3.0, 2.0, 1.0
+    rows = [row(temperature=0.0, output=[9], min_tokens=3, stop_token_ids=[7]),
+            row(temperature=0.0, output=[9, 9, 9], min_tokens=3, stop_token_ids=[7]),
+            row(temperature=0.0, output=[9], min_tokens=3, ignore_eos=True)]
+    _, out = run(rows, logits)
+    assert out.sampled_token_ids[:3].tolist() == [5, EOS, 7]
+
+
+@pytest.mark.parametrize("seed", [1234, 2**40 + 5, -7])
+def test_seeded_row_is_independent_of_the_batch(seed):
+    target = make_logits(3, num_rows=1)[0]
+    params = dict(temperature=0.9, top_p=0.95, seed=seed)  # the request's own seed
+    alone, batched = [], []
+    for step in range(8):
+        out_ids = [0] * step
+        logits = make_logits(100 + step, num_rows=8)
+        logits[0] = target
+        _, out = run([row(output=out_ids, **params)], logits[:S])
+        alone.append(int(out.sampled_token_ids[0]))
+        logits[5] = target
+        others = [row(seed=s, output=[1] * s, temperature=1.0) for s in range(5)]
+        _, out = run([*others, row(output=out_ids, **params)], logits, 8)
+        batched.append(int(out.sampled_token_ids[5]))
+    assert alone == batched and len(set(alone)) > 1
+
+
+def generate(engine_seed, steps=6):
+    """A toy engine loop: 3 unseeded requests, seeds from the engine seed and arrival index."""
+    outputs = [[] for _ in range(3)]
+    for step in range(steps):
+        rows = [SamplingRow(SamplingParams(), request_seed(engine_seed, i), [3], outputs[i])
+                for i in range(3)]
+        _, out = run(rows, make_logits(200 + step) / 3.0)
+        for i in range(3):
+            outputs[i].append(int(out.sampled_token_ids[i]))
+    return outputs
+
+
+def test_same_engine_seed_same_run():
+    assert request_seed(0, 1) == request_seed(0, 1) != request_seed(0, 2) != request_seed(1, 2)
+    assert 0 <= request_seed(-5, 3) < 2**64
+    assert generate(0) == generate(0)
+    assert generate(0) != generate(1)
+
+
+def test_every_variant_precompiles_and_padding_is_harmless():
+    logits = np.zeros((S, V), np.float32)
+    logits[1, 3] = 1e4  # extreme, finite values must not make NaN either
+    logits[2] = -1e4
+    for variant in sampler_variants():
+        md = dummy_sampling_metadata(S, variant, max_model_len=L)
+        out = jax.device_get(sample_jit(jnp.asarray(logits), md))
+        assert out.sampled_token_ids.shape == (S,)
+        assert ((0 <= out.sampled_token_ids) & (out.sampled_token_ids < V)).all()
+        if variant.do_logprobs:
+            assert all(np.isfinite(a).all() for a in jax.tree.leaves(out.logprobs))
+        else:
+            assert out.logprobs is None
+    assert len(sampler_variants()) == 12
+    compiled = sample_jit._cache_size()
+    batches = [[row(temperature=0.0)], [row(temperature=0.5, logprobs=2)],
+               [row(top_k=3, repetition_penalty=1.2)], [row(top_p=0.9, presence_penalty=1.0,
+                                                            logprobs=0)]]
+    for rows in batches:
+        run(rows, make_logits(4))
+    assert sample_jit._cache_size() == compiled  # serving never compiles again
+
+
+def log_softmax_numpy(x):
+    shifted = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks():
+    logits = make_logits(5)
+    rows = [row(seed=1, temperature=0.7, logprobs=5, repetition_penalty=1.5, output=[1, 2]),
+            row(seed=2, temperature=0.0, logprobs=0), row(seed=3, temperature=1.5, logprobs=20)]
+    md, out = run(rows, logits)
+    assert md.variant == SamplerVariant(SampleMode.RANDOM, True, True)
+    want = log_softmax_numpy(logits)
+    lp = out.logprobs
+    order = np.argsort(-want, axis=-1)[:, :20]
+    np.testing.assert_array_equal(lp.topk_token_ids, order)
+    np.testing.assert_allclose(lp.topk_logprobs, np.take_along_axis(want, order, -1), atol=1e-5)
+    sampled = out.sampled_token_ids
+    np.testing.assert_array_equal(lp.selected_token_ids, sampled)
+    np.testing.assert_allclose(lp.selected_logprobs, want[np.arange(S), sampled], atol=1e-5)
+    ranks = 1 + (want > want[np.arange(S), sampled][:, None]).sum(-1)
+    np.testing.assert_array_equal(lp.selected_ranks, ranks)
+    assert lp.selected_ranks[1] == 1  # the greedy row took the top token
+
+    lists = logprobs_lists(lp, [0], num_logprobs=5)
+    assert lists.logprob_token_ids == [[int(sampled[0]), *order[0, :5].tolist()]]
+    assert lists.sampled_token_ranks == [int(ranks[0])]
+    np.testing.assert_allclose(lists.logprobs[0][1:], want[0, order[0, :5]], atol=1e-5)
+    assert logprobs_lists(lp, [1], num_logprobs=0) == LogprobsLists(
+        [[int(sampled[1])]], [[pytest.approx(float(want[1, sampled[1]]), abs=1e-5)]], [1])
+
+
+def test_prompt_logprobs():
+    logits = make_logits(6, num_rows=6)
+    targets = np.array([4, 9, 0, 31, 4, 4], np.int32)
+    t = jax.device_get(prompt_logprobs_jit(jnp.asarray(logits), jnp.asarray(targets)))
+    want = log_softmax_numpy(logits)
+    np.testing.assert_allclose(t.selected_logprobs, want[np.arange(6), targets], atol=1e-5)
+    np.testing.assert_array_equal(
+        t.selected_ranks, 1 + (want > want[np.arange(6), targets][:, None]).sum(-1))
+    np.testing.assert_array_equal(t.topk_token_ids, np.argsort(-want, -1)[:, :20])
+    lists = logprobs_lists(t, slice(1, 4), num_logprobs=2)
+    assert [ids[0] for ids in lists.logprob_token_ids] == [9, 0, 31]
+    assert all(len(ids) == 3 for ids in lists.logprob_token_ids)
+
+
+def expected_probs(x, temperature, top_k=0, top_p=1.0):
+    p = np.exp(x / temperature - (x / temperature).max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = np.zeros_like(p, bool)
+    keep[order[:top_k or len(p)]] = True
+    p = np.where(keep, p, 0.0) / np.where(keep, p, 0.0).sum()
+    above = np.cumsum(p[order]) - p[order]  # mass strictly above each token
+    drop = order[above >= top_p]
+    p[drop] = 0.0
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.5, 0, 1.0), (1.0, 3, 1.0),
+                                                       (1.3, 0, 0.8)])
+def test_sampling_frequencies(temperature, top_k, top_p):
+    num_draws, vocab = 2048, 8
+    x = np.array([1.0, 0.5, 0.2, 0.0, -0.5, -1.0, 0.3, 0.9], np.float32)
+    variant = SamplerVariant(SampleMode.RANDOM_TOP_K_TOP_P if top_k or top_p < 1 else
+                             SampleMode.RANDOM)
+    md = dummy_sampling_metadata(num_draws, variant, max_model_len=L)
+    md.temperature[:] = temperature
+    md.top_k[:] = top_k
+    md.top_p[:] = top_p
+    md.seeds[:] = (0, 42)
+    md.steps[:] = np.arange(num_draws)  # one request's first 2048 steps
+    out = sample_jit(jnp.broadcast_to(jnp.asarray(x), (num_draws, vocab)), md)
+    freq = np.bincount(np.asarray(out.sampled_token_ids), minlength=vocab) / num_draws
+    want = expected_probs(x.astype(np.float64), temperature, top_k, top_p)
+    assert (freq[want == 0] == 0).all()
+    tolerance = 4 * np.sqrt(want * (1 - want) / num_draws) + 1e-3
+    assert (np.abs(freq - want) <= tolerance).all(), (freq, want)
+
+
+def test_builder_errors():
+    with pytest.raises(ValueError, match="5 rows do not fit the bucket num_seqs_padded=4"):
+        build_sampling_metadata([row()] * 5, num_seqs_padded=4, eos_token_ids=[], max_model_len=L)
+    with pytest.raises(ValueError, match="exceeds max_model_len=16"):
+        build_sampling_metadata([row(prompt=[1] * 10, output=[2] * 7, presence_penalty=1.0)],
+                                num_seqs_padded=4, eos_token_ids=[], max_model_len=L)
+    with pytest.raises(ValueError, match="min_tokens supports at most 32"):
+        build_sampling_metadata([row(min_tokens=2, stop_token_ids=list(range(3, 40)))],
+                                num_seqs_padded=4, eos_token_ids=[EOS], max_model_len=L)
+
+
+def test_logprobs_processor_builds_vllm_dicts():
+    from jaxllm.engine.logprobs import LogprobsProcessor
+    from jaxllm.outputs import Logprob
+
+    proc = LogprobsProcessor(SamplingParams(logprobs=2, prompt_logprobs=1))
+    assert proc.prompt_logprobs == [None] and proc.logprobs == [] and proc.cumulative_logprob == 0
+    # step 1: sampled 7 is outside the top-2; step 2: sampled 3 is the top token
+    proc.add_sample_logprobs(LogprobsLists([[7, 3, 5]], [[-3.0, -0.5, -1.0]], [4]))
+    proc.add_sample_logprobs(LogprobsLists([[3, 3, 5]], [[-0.25, -0.25, -2.0]], [1]))
+    assert proc.logprobs == [
+        {7: Logprob(-3.0, 4), 3: Logprob(-0.5, 1), 5: Logprob(-1.0, 2)},
+        {3: Logprob(-0.25, 1), 5: Logprob(-2.0, 2)}]
+    assert proc.cumulative_logprob == -3.25
+    proc.add_prompt_logprobs(LogprobsLists([[4, 9], [6, 6]], [[-2.0, -0.1], [-0.3, -0.3]], [3, 1]))
+    assert proc.prompt_logprobs == [None, {4: Logprob(-2.0, 3), 9: Logprob(-0.1, 1)},
+                                    {6: Logprob(-0.3, 1)}]
+    off = LogprobsProcessor(SamplingParams())
+    assert (off.logprobs, off.prompt_logprobs, off.cumulative_logprob) == (None, None, None)
+    with pytest.raises(ValueError, match="did not ask for logprobs"):
+        off.add_sample_logprobs(LogprobsLists([[1]], [[0.0]], [1]))

@@ -1,0 +1,92 @@
+"""SamplingParams: vLLM defaults, normalisation, and validation messages naming the parameter."""
+
+import re
+
+import pytest
+
+from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+
+
+def test_defaults_and_normalisation():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.stop == [] and p.stop_token_ids == [] and p.max_tokens == 256
+    assert p.sampling_type == SamplingType.RANDOM
+    assert SamplingParams(seed=3).sampling_type == SamplingType.RANDOM_SEED
+    assert SamplingParams(seed=-1).seed is None  # vLLM: -1 means no seed
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop_token_ids=[5, 3, 5]).stop_token_ids == [5, 3]
+    assert SamplingParams(top_k=-1).top_k == 0  # both 0 and -1 mean "off"
+    assert SamplingParams(logprobs=True).logprobs == 1
+
+
+def test_greedy_turns_truncation_off():
+    p = SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2)
+    assert p.sampling_type == SamplingType.GREEDY
+    assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
+    assert SamplingParams(temperature=1e-6, seed=1).sampling_type == SamplingType.GREEDY
+
+
+def test_small_positive_temperature_is_kept():
+    p = SamplingParams(temperature=1e-3)
+    assert p.temperature == 1e-3 and p.sampling_type == SamplingType.RANDOM
+
+
+def test_clone_is_deep():
+    p = SamplingParams(stop=["a"], stop_token_ids=[1])
+    q = p.clone()
+    q.stop.append("b")
+    q.stop_token_ids.append(2)
+    assert p.stop == ["a"] and p.stop_token_ids == [1] and q == SamplingParams(
+        stop=["a", "b"], stop_token_ids=[1, 2])
+
+
+def test_uses_penalties_and_buffer_length():
+    assert not SamplingParams().uses_penalties
+    assert SamplingParams(repetition_penalty=1.1).uses_penalties
+    assert SamplingParams(stop=["ab", "abcd"]).output_text_buffer_length == 3
+    included = SamplingParams(stop=["ab"], include_stop_str_in_output=True)
+    assert included.output_text_buffer_length == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature must be a finite non-negative number, got -0.1."),
+    (dict(temperature=float("nan")), "temperature must be a finite non-negative number, got nan."),
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0."),
+    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
+    (dict(top_k=-2), "top_k must be 0 or -1 (disabled), or at least 1, got -2."),
+    (dict(top_k=1.5), "top_k must be an int, got float."),
+    (dict(min_p=-0.1), "min_p must be in [0, 1], got -0.1."),
+    (dict(min_p=1.1), "min_p must be in [0, 1], got 1.1."),
+    (dict(n=0), "n must be at least 1, got 0."),
+    (dict(n=2, temperature=0), "n must be 1 when using greedy sampling, got 2."),
+    (dict(max_tokens=0), "max_tokens must be an int of at least 1, got 0."),
+    (dict(min_tokens=-1), "min_tokens must be at least 0, got -1."),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens must be at most max_tokens=4, got 5."),
+    (dict(repetition_penalty=0.0),
+     "repetition_penalty must be a finite number greater than zero, got 0.0."),
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5."),
+    (dict(frequency_penalty=-2.5), "frequency_penalty must be in [-2, 2], got -2.5."),
+    (dict(logprobs=-1), f"logprobs must be None or in [0, {MAX_LOGPROBS}], got -1."),
+    (dict(logprobs=21), f"logprobs must be None or in [0, {MAX_LOGPROBS}], got 21."),
+    (dict(prompt_logprobs=-2), f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got -2."),
+    (dict(prompt_logprobs=99), f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got 99."),
+    (dict(stop=["ok", ""]), "stop must contain only non-empty strings, got ['ok', '']."),
+    (dict(stop_token_ids=[1, -3]),
+     "stop_token_ids must contain only non-negative ints, got [1, -3]."),
+    (dict(stop="x", detokenize=False), "stop strings need detokenize=True."),
+])
+def test_validation_names_parameter_and_range(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**kwargs)
+
+
+def test_verify_against_engine_cap():
+    p = SamplingParams(logprobs=5, prompt_logprobs=3)
+    p.verify(5)
+    with pytest.raises(ValueError, match=re.escape("logprobs must be None or in [0, 4], got 5.")):
+        p.verify(4)
+    with pytest.raises(ValueError, match=re.escape(
+            "prompt_logprobs must be None or in [0, 2], got 3.")):
+        SamplingParams(prompt_logprobs=3).verify(2)
