@@ -1,0 +1,167 @@
+"""Who owns which KV block: the block objects, their reference counts, and the free queue.
+
+This file owns the bookkeeping of the paged KV cache on the host. It never touches device
+memory, never knows about requests (that is `kv_cache_manager.py`), and never imports jax.
+
+Layout of the pool (num_blocks = 8):
+
+    block id:    0      1   2   3   4   5   6   7
+                 null   <--- handed out to requests --->
+
+Block 0 is the null block: padding rows of a packed batch write their K/V there, so it is
+taken out of the free queue at start-up and is never handed to a request.
+
+The free queue is a doubly linked list threaded through the blocks themselves (no Python
+objects are created when blocks move), bracketed by two sentinels so that popleft, append and
+removal from the middle are all O(1) with no empty-list special cases:
+
+    head <-> b3 <-> b1 <-> b7 <-> tail
+    ^ evicted first         ^ freed most recently
+
+Room for prefix caching: a block whose ref_cnt drops to 0 goes back on the free queue but may
+keep its `block_hash`; `cached_block_hash_to_block` maps such hashes to blocks so a later
+request can take them back out of the queue (`FreeKVCacheBlockQueue.remove`, O(1)). Handing a
+block out again is the one place a stale hash must be forgotten (`_forget_hash`). Nothing
+sets a hash yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+NULL_BLOCK_ID = 0
+
+
+class KVCacheBlock:
+    """One fixed-size block of the paged KV cache (host-side metadata only)."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Hash of the full block's tokens, chained with the previous block's hash.
+        # Always None until prefix caching exists.
+        self.block_hash: Any | None = None
+        # Links of the free queue; both None while the block is held by a request.
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeKVCacheBlockQueue:
+    """O(1) doubly linked queue of free blocks, in eviction order (front is evicted first)."""
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        # Sentinels (block_id -1) are never returned; they remove every edge case.
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free_block = self._tail
+        self._tail.prev_free_block = self._head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free_block
+        if block is self._tail:
+            raise ValueError("popleft from an empty free block queue")
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} are free")
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink `block` from wherever it sits in the queue."""
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        last = self._tail.prev_free_block
+        assert last is not None
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            self.append(block)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Front-to-back snapshot, O(n): for tests and debugging only."""
+        out = []
+        block = self._head.next_free_block
+        while block is not self._tail:
+            assert block is not None
+            out.append(block)
+            block = block.next_free_block
+        return out
+
+
+class BlockPool:
+    """All KV blocks, the free queue, and (later) the prefix-hash index."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # Block 0 is held forever by nobody: out of the queue, never handed out.
+        self.null_block = self.free_block_queue.popleft()
+        assert self.null_block.block_id == NULL_BLOCK_ID
+        # Prefix caching: block_hash -> block whose K/V for those tokens is still valid.
+        # Empty until prefix caching is implemented.
+        self.cached_block_hash_to_block: dict[Any, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks (null block excluded) held by requests."""
+        num_usable = self.num_blocks - 1
+        return 1.0 - self.num_free_blocks / num_usable
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take `n` blocks from the front of the free queue; each comes back with ref_cnt 1."""
+        blocks = self.free_block_queue.popleft_n(n)
+        for block in blocks:
+            assert block.ref_cnt == 0, block
+            self._forget_hash(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; those reaching 0 go to the back of the queue
+        in the given order (callers pass a request's blocks tail-first)."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0 or block is self.null_block:
+                raise ValueError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def _forget_hash(self, block: KVCacheBlock) -> None:
+        # A block leaving the free queue for a new owner loses whatever cached prefix it
+        # held: this is the eviction point of the prefix cache. No-op while hashes are None.
+        if block.block_hash is None:
+            return
+        if self.cached_block_hash_to_block.get(block.block_hash) is block:
+            del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None

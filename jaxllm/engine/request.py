@@ -1,0 +1,188 @@
+"""One generation request as the scheduler sees it: token counters, status, and when it stops.
+
+This file owns a request's token list (which only grows through `append_output_token_ids`),
+its lifecycle status, and the stopping rules. It never touches blocks or devices, and the
+runner never sees a `Request`: it only gets the plain messages of `sched_output.py`.
+
+Token ranges of a request in the middle of a chunked prefill (prompt of 10, 6 computed):
+
+    all_token_ids:  p0 p1 p2 p3 p4 p5 | p6 p7 p8 p9
+                    <-- computed ---> | <-- still to compute -->
+    num_computed_tokens = 6, num_tokens = 10, num_output_tokens = 0
+
+and while decoding (one sampled token whose K/V is not in the cache yet):
+
+    p0 ... p9 o0 o1 | o2
+    num_computed_tokens = 12, num_tokens = 13, num_output_tokens = 3
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from typing import Protocol, overload
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that "finished" is one comparison: everything after PREEMPTED."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISHED_REASONS.get(status)
+
+
+# vLLM's finish_reason strings.
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class SamplingParamsLike(Protocol):
+    """The only fields of `jaxllm.sampling_params.SamplingParams` the engine reads."""
+
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    stop_token_ids: list[int] | None
+
+
+class ReadOnlyTokens(Sequence[int]):
+    """An O(1) read-only view of a growing token list, so callers cannot append behind the
+    request's back."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        self._tokens = tokens
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index):
+        return self._tokens[index]
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tokens)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return self._tokens == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._tokens)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParamsLike,
+        eos_token_id: int | None,
+        arrival_time: float,
+    ) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.status = RequestStatus.WAITING
+        # Token id (stop_token_ids match) or string (stop string, set from outside) that
+        # ended the request; None for EOS, length, abort.
+        self.stop_reason: int | str | None = None
+        # Tokens whose K/V is in the cache (or scheduled to be, this step).
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self._num_prompt_tokens = len(prompt_token_ids)
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+
+    # -- the one way tokens are added --------------------------------------------------
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        if isinstance(token_ids, int):
+            self._all_token_ids.append(token_ids)
+        else:
+            self._all_token_ids.extend(token_ids)
+
+    # -- derived views -----------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> ReadOnlyTokens:
+        return ReadOnlyTokens(self._all_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._all_token_ids[: self._num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._all_token_ids[self._num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._all_token_ids) - self._num_prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self._all_token_ids[-1]
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens}, "
+                f"out={self.num_output_tokens}/{self.max_tokens})")
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Decide whether the request's newest token ends it; if so set its status (and
+    stop_reason). Checked after every appended token, in this order."""
+    params = request.sampling_params
+    token = request.last_token_id
+    # EOS and stop tokens are masked by the sampler until min_tokens exist; the check is
+    # repeated here so a runner that does not mask still cannot stop early.
+    may_stop_on_token = request.num_output_tokens >= params.min_tokens
+    if may_stop_on_token and not params.ignore_eos and token == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if may_stop_on_token and token in (params.stop_token_ids or ()):
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = token
+        return True
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False

@@ -1,0 +1,90 @@
+"""The plain messages between scheduler, runner and the LLM front end (one of each per step).
+
+    Scheduler.schedule()            -> SchedulerOutput     -> runner
+    runner.execute_model(...)       -> ModelRunnerOutput   -> Scheduler.update_from_output
+    Scheduler.update_from_output()  -> list[EngineCoreOutput] -> LLM (detokenize, collect)
+
+This file owns only frozen data: no methods that change state, no `Request` objects (the
+runner must never see one), no jax. Field meanings follow docs/contracts.md.
+
+`num_computed_tokens` in both request messages is the count *before* this step's tokens:
+the runner computes positions num_computed_tokens .. num_computed_tokens + n - 1, where
+n = SchedulerOutput.num_scheduled_tokens[req_id].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has no state for: first schedule, or resume after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming after preemption
+    sampling_params: Any  # jaxllm.sampling_params.SamplingParams
+    block_ids: list[int]  # the request's whole block table
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]  # append to the runner's block table (often empty)
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step (> 0)
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished or aborted since the previous step
+    preempted_req_ids: set[str]  # preempted this step
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What one step produced, aligned by position with `req_ids`."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # [] while the request's prefill is still partial
+    # Opaque per-request sample logprobs (None where not requested); None for the whole
+    # list when no request in the batch asked for any.
+    logprobs: list[Any | None] | None = None
+    prompt_logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)  # opaque
+
+    def __post_init__(self) -> None:
+        if len(self.sampled_token_ids) != len(self.req_ids):
+            raise ValueError(f"sampled_token_ids has {len(self.sampled_token_ids)} entries for "
+                             f"{len(self.req_ids)} req_ids")
+        if self.logprobs is not None and len(self.logprobs) != len(self.req_ids):
+            raise ValueError(f"logprobs has {len(self.logprobs)} entries for "
+                             f"{len(self.req_ids)} req_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCoreOutput:
+    """New tokens (and maybe the end) of one request after one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while still running
+    stop_reason: int | str | None  # the stop token id that matched; None otherwise
+    new_logprobs: Any | None = None  # copied through from ModelRunnerOutput.logprobs
+    new_prompt_logprobs: Any | None = None  # copied through from .prompt_logprobs
+    num_cached_tokens: int = 0  # prefix-cache hits; always 0 until prefix caching exists
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

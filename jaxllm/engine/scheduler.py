@@ -1,0 +1,292 @@
+"""What runs this step, and what gets preempted: vLLM v1's single token-budget scheduler.
+
+This file owns the waiting and running queues and turns them into one `SchedulerOutput` per
+step, then folds the runner's sampled tokens back into the requests. It never touches
+devices, never builds arrays, and never hands a `Request` to the runner.
+
+There are no prefill and decode phases. Every step has one budget of
+`max_num_batched_tokens`, spent in this order:
+
+  1. running requests, in order: each asks for `num_tokens - num_computed_tokens` (a whole
+     prompt chunk, or the one token sampled last step), capped by what is left of the budget.
+     If its blocks cannot grow, requests are preempted from the *tail* of `running` (by
+     recompute: blocks freed, progress reset, sent to the front of `waiting`) until it fits;
+     if it is itself the tail, it preempts itself.
+  2. waiting requests, first come first served, while fewer than `max_num_seqs` run and no
+     one was preempted this step. A prompt bigger than the rest of the budget gets a partial
+     chunk (chunked prefill) and finishes it in later steps as a running request.
+
+`num_computed_tokens` advances as soon as tokens are scheduled, so a step's outputs only add
+sampled tokens; a request whose chunk ended mid-prompt gets none.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.metrics import SchedulerStats
+from jaxllm.engine.request import Request, RequestStatus, check_stop
+from jaxllm.engine.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        long_prefill_token_threshold: int = 0,
+    ) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0 disables it), got "
+                             f"{long_prefill_token_threshold}")
+        if max_model_len > kv_cache_manager.max_model_len:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the KV cache manager's "
+                             f"max_model_len={kv_cache_manager.max_model_len}")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, front goes first
+        self.running: list[Request] = []  # RUNNING, oldest first; preemption pops the tail
+        # Finished since the last schedule(): the next SchedulerOutput tells the runner.
+        self.finished_req_ids: set[str] = set()
+
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # -- requests in and out ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} has status "
+                             f"{request.status.name}, expected WAITING")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} prompt "
+                             f"tokens, more than max_model_len={self.max_model_len}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus
+                        ) -> None:
+        """End requests from outside (abort, stop string). Unknown or finished ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError("finished_status must be a FINISHED_* status, got "
+                             f"{finished_status!r}")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []  # first time, or resumed after preemption
+        preempted: list[Request] = []
+
+        # 1. Running requests, in order. Preemption only ever pops entries after req_index,
+        #    i.e. requests not yet scheduled this step.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._num_new_tokens(request, token_budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
+            if block_ids is None:  # it was the tail and preempted itself
+                break
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = block_ids
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests, FCFS. Skipped after a preemption: blocks are short, and the
+        #    preempted requests now at the front would only be preempted again.
+        while (not preempted and self.waiting and token_budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            num_new_tokens = self._num_new_tokens(request, token_budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled_new.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
+            scheduled_cached_reqs=[
+                CachedRequestData(r.request_id, new_block_ids[r.request_id],
+                                  r.num_computed_tokens)
+                for r in scheduled_running],
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        # Advance now, as if the step already ran: the next schedule() must not hand out the
+        # same positions again, even before update_from_output.
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        self._check_invariants(output)
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply the stopping rules, free finished requests."""
+        index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[Request] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None:  # finished from outside after it was scheduled
+                continue
+            if req_id not in index:
+                raise ValueError(f"the runner output has no entry for scheduled request {req_id!r}")
+            i = index[req_id]
+            sampled = model_runner_output.sampled_token_ids[i]
+            assert not sampled or request.num_computed_tokens == request.num_tokens, (
+                f"{request}: tokens sampled before its prefill completed")
+            new_token_ids = self._append_until_stop(request, sampled)
+            prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            if request.is_finished():
+                stopped.add(request)
+                self._free_request(request)
+            if new_token_ids or request.is_finished() or prompt_logprobs is not None:
+                logprobs = model_runner_output.logprobs
+                outputs.append(EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    new_logprobs=None if logprobs is None else logprobs[i],
+                    new_prompt_logprobs=prompt_logprobs,
+                ))
+        if stopped:
+            self.running = [r for r in self.running if r not in stopped]
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    # -- helpers ------------------------------------------------------------------------
+    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        num_new_tokens = request.num_tokens - request.num_computed_tokens
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        return min(num_new_tokens, token_budget,
+                   self.max_model_len - request.num_computed_tokens)
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
+                             preempted: list[Request]) -> list[int] | None:
+        """New block ids for `request`, preempting from the tail of `running` until they fit;
+        None if `request` itself had to be preempted."""
+        while True:
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if block_ids is not None:
+                return block_ids
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute, not swap: drop the K/V, keep the tokens (prompt and generated), and
+        # prefill them all again when resumed.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _append_until_stop(self, request: Request, sampled: list[int]) -> list[int]:
+        """Append tokens one by one; drop whatever follows a stopping token."""
+        appended: list[int] = []
+        for token_id in sampled:
+            if request.num_output_tokens == 0:
+                self.num_prompt_tokens += request.num_prompt_tokens
+            request.append_output_token_ids(token_id)
+            appended.append(token_id)
+            if check_stop(request, self.max_model_len):
+                break
+        self.num_generation_tokens += len(appended)
+        return appended
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished(), request
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def _check_invariants(self, output: SchedulerOutput) -> None:
+        scheduled = output.num_scheduled_tokens
+        assert output.total_num_scheduled_tokens == sum(scheduled.values())
+        assert output.total_num_scheduled_tokens <= self.max_num_batched_tokens
+        assert len(scheduled) <= len(self.running) <= self.max_num_seqs
+        block_size = self.kv_cache_manager.block_size
+        for req_id, num_tokens in scheduled.items():
+            request = self.requests[req_id]
+            assert num_tokens > 0 and request.status == RequestStatus.RUNNING, request
+            assert request.num_computed_tokens <= min(request.num_tokens, self.max_model_len)
+            num_blocks = len(self.kv_cache_manager.req_to_blocks[req_id])
+            assert num_blocks * block_size >= request.num_computed_tokens, (request, num_blocks)

@@ -1,0 +1,330 @@
+"""Exact unit tests of Request and the token-budget Scheduler (no runner, no jax)."""
+
+import dataclasses
+
+import pytest
+
+from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.sched_output import ModelRunnerOutput, NewRequestData
+
+EOS = 2
+
+
+@dataclasses.dataclass
+class Params:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+def make_scheduler(*, num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
+                   max_num_batched_tokens=64, long_prefill_token_threshold=0) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, max_model_len)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len,
+                     long_prefill_token_threshold)
+
+
+def make_request(req_id: str, prompt_len: int, **params) -> Request:
+    prompt = [100 + i for i in range(prompt_len)]
+    return Request(req_id, prompt, Params(**params), eos_token_id=EOS, arrival_time=0.0)
+
+
+def runner_output(sched, out, tokens=None, default=7) -> ModelRunnerOutput:
+    """Samples for every scheduled request whose prefill is complete (as a runner would)."""
+    tokens = tokens or {}
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        req = sched.requests.get(req_id)
+        complete = req is None or req.num_computed_tokens == req.num_tokens
+        sampled.append(list(tokens.get(req_id, [default])) if complete else [])
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def step(sched, tokens=None):
+    out = sched.schedule()
+    return out, sched.update_from_output(out, runner_output(sched, out, tokens))
+
+
+def generate(script: list[int], max_model_len=64, prompt_len=4, **params):
+    """Run one request, feeding it `script` one token per step; return its final output."""
+    sched = make_scheduler(max_model_len=max_model_len)
+    sched.add_request(make_request("r", prompt_len, **params))
+    new_tokens, last = [], None
+    for token in script:
+        _, outs = step(sched, {"r": [token]})
+        for o in outs:
+            new_tokens += o.new_token_ids
+            last = o
+        if last is not None and last.finished:
+            break
+    assert not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.usage == 0.0
+    return new_tokens, last.finish_reason, last.stop_reason
+
+
+# -- Request ------------------------------------------------------------------------------
+def test_request_status_order_and_reasons():
+    order = [RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED,
+             RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+             RequestStatus.FINISHED_ABORTED]
+    assert order == sorted(order)
+    assert [RequestStatus.is_finished(s) for s in order] == [False] * 3 + [True] * 3
+    assert [RequestStatus.get_finished_reason(s) for s in order] == [
+        None, None, None, "stop", "length", "abort"]
+
+
+def test_request_tokens_grow_through_one_method():
+    req = make_request("r", 3)
+    assert (req.num_tokens, req.num_prompt_tokens, req.num_output_tokens) == (3, 3, 0)
+    req.append_output_token_ids(5)
+    req.append_output_token_ids([6, 7])
+    assert req.output_token_ids == [5, 6, 7]
+    assert req.prompt_token_ids == [100, 101, 102]
+    assert req.all_token_ids == [100, 101, 102, 5, 6, 7]
+    assert (req.num_tokens, req.num_output_tokens) == (6, 3)
+    assert not hasattr(req.all_token_ids, "append")
+    req.output_token_ids.append(99)  # a copy: the request is unchanged
+    assert req.num_tokens == 6
+    with pytest.raises(ValueError, match="must not be empty"):
+        Request("e", [], Params(), EOS, 0.0)
+
+
+# -- budget, chunking, caps -----------------------------------------------------------------
+def test_chunked_prefill_splits_a_long_prompt():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add_request(make_request("a", 20))
+
+    out, outs = step(sched)
+    assert out.num_scheduled_tokens == {"a": 8}
+    assert out.scheduled_new_reqs == [NewRequestData(
+        "a", [100 + i for i in range(20)], [], Params(), [1, 2], 0)]
+    assert outs == []  # partial prefill samples nothing
+
+    out, outs = step(sched)
+    assert out.num_scheduled_tokens == {"a": 8}
+    (cached,) = out.scheduled_cached_reqs
+    assert (cached.req_id, cached.new_block_ids, cached.num_computed_tokens) == ("a", [3, 4], 8)
+    assert outs == []
+
+    out, outs = step(sched)
+    assert out.total_num_scheduled_tokens == 4
+    (cached,) = out.scheduled_cached_reqs
+    assert (cached.new_block_ids, cached.num_computed_tokens) == ([5], 16)
+    assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in outs] == [("a", [7], None)]
+    assert sched.requests["a"].num_computed_tokens == 20
+
+
+def test_running_first_then_waiting_fill_the_budget():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add_request(make_request("a", 3))
+    sched.add_request(make_request("b", 10))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 3, "b": 5}
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a", "b"]
+
+    sched.add_request(make_request("c", 10))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 5, "c": 2}
+    assert out.total_num_scheduled_tokens == 8
+    assert [r.req_id for r in out.scheduled_cached_reqs] == ["a", "b"]
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["c"]
+
+
+def test_long_prefill_token_threshold_caps_each_chunk():
+    sched = make_scheduler(long_prefill_token_threshold=4)
+    sched.add_request(make_request("a", 10))
+    sched.add_request(make_request("b", 3))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 4, "b": 3}
+
+
+def test_max_num_seqs_caps_running_and_fcfs_admits_the_next():
+    sched = make_scheduler(max_num_seqs=2)
+    sched.add_request(make_request("a", 4, max_tokens=1))
+    sched.add_request(make_request("b", 4))
+    sched.add_request(make_request("c", 4))
+    out, outs = step(sched)
+    assert list(out.num_scheduled_tokens) == ["a", "b"]
+    assert [r.request_id for r in sched.waiting] == ["c"]
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("a", "length"), ("b", None)]
+
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"b": 1, "c": 4}
+    assert out.finished_req_ids == {"a"}
+    assert sched.make_stats().num_running_reqs == 2
+
+
+# -- preemption -------------------------------------------------------------------------------
+def test_preemption_from_the_tail_and_resume_with_outputs():
+    # 6 usable blocks of 4 tokens; three 8-token prompts fill them exactly.
+    sched = make_scheduler(num_blocks=7, block_size=4, max_model_len=24)
+    sched.add_request(make_request("a", 8, max_tokens=2))
+    sched.add_request(make_request("b", 8))
+    sched.add_request(make_request("c", 8))
+    sched.add_request(make_request("d", 4))
+    out, _ = step(sched)
+    assert list(out.num_scheduled_tokens) == ["a", "b", "c"]  # no block left for d
+    kv = sched.kv_cache_manager
+    assert [kv.get_block_ids(r) for r in "abc"] == [[1, 2], [3, 4], [5, 6]]
+    assert kv.num_free_blocks == 0
+
+    # Each needs a third block for its 9th token: a preempts c (the tail) and takes c's
+    # last block first (freed in reverse); b takes the other.
+    c = sched.requests["c"]
+    out, outs = step(sched)
+    assert out.preempted_req_ids == {"c"}
+    assert [(r.req_id, r.new_block_ids, r.num_computed_tokens)
+            for r in out.scheduled_cached_reqs] == [("a", [6], 8), ("b", [5], 8)]
+    assert out.scheduled_new_reqs == []
+    assert (c.status, c.num_computed_tokens, c.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
+    assert c.output_token_ids == [7]
+    assert [r.request_id for r in sched.waiting] == ["c", "d"]  # c goes back to the front
+    assert [(o.req_id, o.finish_reason) for o in outs] == [("a", "length"), ("b", None)]
+    assert sched.make_stats().num_preemptions == 1
+
+    # a finished and freed [1, 2, 6] tail first: c resumes into them with its output token.
+    out, outs = step(sched, {"c": [8]})
+    assert out.finished_req_ids == {"a"}
+    assert out.num_scheduled_tokens == {"b": 1, "c": 9}
+    (resumed,) = out.scheduled_new_reqs
+    assert resumed == NewRequestData("c", [100 + i for i in range(8)], [7], Params(),
+                                     [6, 2, 1], 0)
+    assert [(o.req_id, o.new_token_ids) for o in outs] == [("b", [7]), ("c", [8])]
+    assert [r.request_id for r in sched.waiting] == ["d"]
+    assert c.output_token_ids == [7, 8]
+    stats = sched.make_stats()
+    assert stats.num_prompt_tokens == 24  # c's prompt is counted once, not again on resume
+    assert stats.num_generation_tokens == 3 + 2 + 2
+
+
+def test_tail_request_preempts_itself_and_fcfs_blocks_behind_it():
+    sched = make_scheduler(num_blocks=5, block_size=4, max_model_len=16)
+    sched.add_request(make_request("a", 6))
+    sched.add_request(make_request("b", 8))
+    step(sched)
+    out, _ = step(sched)  # b needs a third block; it is the tail, so it preempts itself
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.preempted_req_ids == {"b"}
+    assert [r.request_id for r in sched.running] == ["a"]
+    assert sched.kv_cache_manager.get_block_ids("b") == []
+
+    # b (9 tokens, 3 blocks) cannot fit in the 2 free blocks; d would, but must wait its turn.
+    sched.add_request(make_request("d", 4))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert [r.request_id for r in sched.waiting] == ["b", "d"]
+    stats = sched.make_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (1, 2)
+    assert stats.kv_cache_usage == pytest.approx(2 / 4)
+
+
+# -- stopping -----------------------------------------------------------------------------
+@pytest.mark.parametrize("script, params, expected", [
+    ([5, EOS, 6], {}, ([5, EOS], "stop", None)),
+    ([5, EOS, 6, EOS], dict(ignore_eos=True, max_tokens=3), ([5, EOS, 6], "length", None)),
+    ([5, 9, 6], dict(stop_token_ids=[9]), ([5, 9], "stop", 9)),
+    ([EOS, 9, EOS, 6], dict(min_tokens=3, stop_token_ids=[9]), ([EOS, 9, EOS], "stop", None)),
+    ([5, 6, 7, 8], dict(max_tokens=3), ([5, 6, 7], "length", None)),
+    ([5, EOS], dict(max_tokens=2), ([5, EOS], "stop", None)),  # EOS beats max_tokens
+    ([5, 9], dict(max_tokens=2, stop_token_ids=[9]), ([5, 9], "stop", 9)),
+    ([5, 6, 7], dict(max_model_len=6, max_tokens=100), ([5, 6], "length", None)),
+], ids=["eos", "ignore_eos", "stop_token_ids", "min_tokens", "max_tokens", "eos_at_max_tokens",
+        "stop_token_at_max_tokens", "max_model_len"])
+def test_stopping_rules(script, params, expected):
+    assert generate(script, **params) == expected
+
+
+def test_tokens_after_a_stop_in_one_step_are_dropped():
+    sched = make_scheduler()
+    sched.add_request(make_request("r", 4))
+    _, outs = step(sched, {"r": [5, EOS, 6]})
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([5, EOS], "stop")]
+    assert sched.make_stats().num_generation_tokens == 2
+
+
+# -- finishing from outside ------------------------------------------------------------------
+def test_abort_running_request_frees_blocks():
+    sched = make_scheduler(num_blocks=9, max_model_len=32)
+    req = make_request("a", 10)
+    sched.add_request(req)
+    step(sched)
+    assert sched.kv_cache_manager.num_free_blocks == 5
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert sched.kv_cache_manager.num_free_blocks == 8
+    assert req.get_finished_reason() == "abort"
+    assert sched.running == [] and not sched.has_unfinished_requests()
+    out = sched.schedule()
+    assert out.finished_req_ids == {"a"} and out.is_empty
+    assert sched.schedule().finished_req_ids == set()
+
+
+def test_abort_waiting_and_unknown_requests():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4))
+    sched.add_request(make_request("b", 4))
+    sched.finish_requests(["a", "nope"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    assert sched.get_num_unfinished_requests() == 1
+    with pytest.raises(ValueError, match="FINISHED_"):
+        sched.finish_requests("b", RequestStatus.RUNNING)
+
+
+def test_abort_between_schedule_and_update_is_skipped():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4))
+    sched.add_request(make_request("b", 4))
+    out = sched.schedule()
+    ro = runner_output(sched, out)
+    sched.finish_requests("a", RequestStatus.FINISHED_STOPPED)  # e.g. a stop string
+    outs = sched.update_from_output(out, ro)
+    assert [o.req_id for o in outs] == ["b"]
+    assert sched.kv_cache_manager.get_block_ids("a") == []
+    assert sched.schedule().finished_req_ids == {"a"}
+
+
+# -- plumbing ---------------------------------------------------------------------------------
+def test_logprobs_are_copied_through():
+    sched = make_scheduler(max_num_batched_tokens=4)
+    sched.add_request(make_request("a", 6))
+    out = sched.schedule()
+    ro = ModelRunnerOutput(["a"], [[]], logprobs=[None], prompt_logprobs={"a": "plp0"})
+    (o,) = sched.update_from_output(out, ro)
+    assert (o.new_token_ids, o.finish_reason, o.new_prompt_logprobs) == ([], None, "plp0")
+    out = sched.schedule()
+    ro = ModelRunnerOutput(["a"], [[5]], logprobs=["lp"], prompt_logprobs={"a": "plp1"})
+    (o,) = sched.update_from_output(out, ro)
+    assert (o.new_token_ids, o.new_logprobs, o.new_prompt_logprobs) == ([5], "lp", "plp1")
+    assert o.num_cached_tokens == 0
+
+
+def test_runner_output_must_cover_scheduled_requests():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4))
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="no entry"):
+        sched.update_from_output(out, ModelRunnerOutput([], []))
+    with pytest.raises(ValueError, match="1 req_ids"):
+        ModelRunnerOutput(["a"], [])
+
+
+def test_add_request_validation():
+    sched = make_scheduler(max_model_len=8)
+    sched.add_request(make_request("a", 8))  # a prompt of exactly max_model_len is allowed
+    with pytest.raises(ValueError, match="already"):
+        sched.add_request(make_request("a", 4))
+    with pytest.raises(ValueError, match="max_model_len=8"):
+        sched.add_request(make_request("b", 9))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+])
+def test_scheduler_config_validation(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        make_scheduler(**kwargs)
