@@ -1,0 +1,68 @@
+"""Tensor parallelism through jax sharding: logical axis names per parameter, and a mesh rule.
+
+Owns the explicit partition map (parameter path -> logical axes) and the rule from logical
+axes to mesh axes. The models never mention devices: placing parameters at load time with
+`param_sharding(mesh)` and the KV cache with `kv_cache_sharding(mesh)` is all that tensor
+parallelism needs; XLA's SPMD partitioner inserts the collectives.
+
+Megatron layout on a mesh axis "tp": q/k/v and gate/up split by output columns (heads, mlp),
+o_proj and down_proj by input rows, so each layer needs one all-reduce after attention and
+one after the MLP. The vocabulary is split for the embedding and the LM head.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# (regex on the dotted parameter path, logical axes of the parameter's dims)
+LOGICAL_AXES: list[tuple[str, tuple[str | None, ...]]] = [
+    (r"embed_tokens\.embedding$", ("vocab", "embed")),
+    (r"self_attn\.[qkv]_proj\.kernel$", ("embed", "heads")),
+    (r"self_attn\.[qkv]_proj\.bias$", ("heads",)),
+    (r"self_attn\.o_proj\.kernel$", ("heads", "embed")),
+    (r"self_attn\.o_proj\.bias$", ("embed",)),
+    (r"mlp\.(gate|up)_proj\.kernel$", ("embed", "mlp")),
+    (r"mlp\.down_proj\.kernel$", ("mlp", "embed")),
+    (r"(norm|layernorm)\.weight$", ("norm",)),
+    (r"^lm_head\.kernel$", ("embed", "vocab")),
+]
+
+# Logical axis -> mesh axis (None: replicated).
+TP_RULES: dict[str, str | None] = {"vocab": "tp", "heads": "tp", "mlp": "tp",
+                                   "embed": None, "norm": None}
+
+
+def logical_axes(path: tuple) -> tuple[str | None, ...]:
+    dotted = ".".join(str(p) for p in path)
+    for pattern, axes in LOGICAL_AXES:
+        if re.search(pattern, dotted):
+            return axes
+    raise KeyError(f"no logical axes for parameter {dotted!r}; add it to LOGICAL_AXES")
+
+
+def partition_spec(path: tuple, rules: dict[str, str | None] = TP_RULES) -> PartitionSpec:
+    return PartitionSpec(*(rules.get(a) if a else None for a in logical_axes(path)))
+
+
+def make_mesh(tensor_parallel_size: int) -> Mesh:
+    devices = jax.devices()[:tensor_parallel_size]
+    if len(devices) < tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but only "
+                         f"{len(jax.devices())} devices are visible")
+    # Auto axes: XLA's SPMD partitioner propagates shardings through the model, which never
+    # annotates its intermediates (explicit axes would ask every gather for an out_sharding).
+    return jax.make_mesh((tensor_parallel_size,), ("tp",), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def param_sharding(mesh: Mesh):
+    """For `load_params(..., sharding=...)`: parameter path -> NamedSharding."""
+    return lambda path: NamedSharding(mesh, partition_spec(path))
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """KV caches [num_blocks, block_size, K, H] split over kv heads."""
+    return NamedSharding(mesh, PartitionSpec(None, None, "tp", None))
