@@ -1,8 +1,10 @@
-"""A zero-copy safetensors reader (memory-mapped numpy views, bfloat16 via ml_dtypes).
+"""A framework-free safetensors reader and writer (bfloat16 via ml_dtypes).
 
-Owns: turning `*.safetensors` files into name -> numpy views without a framework. The
-safetensors package's numpy backend has no bfloat16; reading the format (an 8-byte header
-length, a JSON header, raw little-endian data) ourselves is short and keeps pages lazy.
+Owns: turning `*.safetensors` files into (name, numpy array) one tensor at a time. The
+safetensors package's numpy backend has no bfloat16; the format (an 8-byte header length, a
+JSON header, raw little-endian data) is short to read ourselves. Tensors are read into fresh
+buffers rather than memory-mapped: a mapping keeps every page it touched resident until it
+closes, which would hold a second copy of the checkpoint while the model fills.
 """
 
 from __future__ import annotations
@@ -30,16 +32,18 @@ def read_header(path: str) -> tuple[dict, int]:
 
 
 def iter_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (name, read-only memmapped array) for every tensor in one file."""
+    """Yields (name, array) for every tensor in one file, in file order."""
     header, offset = read_header(path)
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    for name, info in header.items():
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        raw = mm[offset + start: offset + end]
-        yield name, raw.view(dtype).reshape(info["shape"])
+    with open(path, "rb") as f:
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype = _DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype "
+                                 f"{info['dtype']}")
+            start, end = info["data_offsets"]
+            f.seek(offset + start)
+            raw = np.frombuffer(f.read(end - start), dtype=np.uint8)
+            yield name, raw.view(dtype).reshape(info["shape"])
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str) -> None:

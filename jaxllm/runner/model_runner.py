@@ -7,6 +7,9 @@ messages. Never sees a scheduler `Request`.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
 import jax
 import numpy as np
 from flax import nnx
@@ -69,8 +72,12 @@ class ModelRunner:
         work += [(self.sample_fns, (S, v)) for S in seq_buckets for v in sampler_variants()]
         work += [(f, (T,)) for T in self.buckets.token_buckets
                  for f in (self.prompt_logits_fns, self.prompt_logprobs_fns)]
-        for fns, key in tqdm(work, desc="Compiling buckets", disable=not use_tqdm):
-            fns.get(key)
+        # XLA compiles without the GIL: one thread per core roughly divides the wall time.
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            futures = [pool.submit(fns.get, key) for fns, key in work]
+            for f in tqdm(as_completed(futures), total=len(futures), desc="Compiling buckets",
+                          disable=not use_tqdm):
+                f.result()
 
     # ---- one step ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ must count zero.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import jax
@@ -50,14 +51,16 @@ class CompiledFunctions:
         self._jitted = jitted
         self._abstract_args = abstract_args
         self._compiled: dict[tuple, object] = {}
+        self._lock = threading.Lock()  # warm-up compiles from several threads
         self.num_compiles = 0
 
     def get(self, key: tuple):
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._jitted.lower(*self._abstract_args(*key)).compile()
-            self._compiled[key] = fn
-            self.num_compiles += 1
+            with self._lock:
+                self._compiled[key] = fn
+                self.num_compiles += 1
         return fn
 
     def __contains__(self, key: tuple) -> bool:
