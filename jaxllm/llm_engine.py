@@ -118,11 +118,18 @@ class LLMEngine:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate(prompt_token_ids, params)
         request_id = request_id or str(next(self._request_counter))
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}"
+                                                         for i in range(params.n)]
+        # Checked before adding anything: a duplicate would replace the live request's
+        # output state.
+        if any(c in self.scheduler.requests or c in self.output_processor.children
+               for c in child_ids):
+            raise ValueError(f"request_id {request_id!r} is already in flight: request ids "
+                             "must be unique among unfinished requests")
         now = arrival_time or time.time()
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n,
                                RequestMetrics(arrival_time=now))
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+        for index, child_id in enumerate(child_ids):
             child_params = self._child_params(params, index)
             self.output_processor.add_request(parent, child_id, index, child_params)
             self.scheduler.add_request(Request(child_id, prompt_token_ids, child_params,

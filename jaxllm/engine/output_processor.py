@@ -83,9 +83,11 @@ class OutputProcessor:
             if finish_reason == "stop" and not child.params.include_stop_str_in_output:
                 text_ids = text_ids[:-1]  # the EOS / stop token itself is not shown as text
             stop_str = child.detokenizer.update(text_ids)
-            if stop_str is not None and finish_reason is None:
+            if stop_str is not None:
+                # A stop string wins even when the same token also hit max_tokens (vLLM).
+                if finish_reason is None:
+                    stopped_by_string.append(out.req_id)
                 finish_reason, stop_reason = "stop", stop_str
-                stopped_by_string.append(out.req_id)
             if finish_reason is not None:
                 self._finish_child(child, finish_reason, stop_reason)
                 del self.children[out.req_id]

@@ -1,0 +1,84 @@
+"""After warm-up, serving never compiles (STYLE habit 9), seen two ways.
+
+* the runner's own count of compiled executables does not move, and
+* JAX itself reports no tracing, lowering or XLA compilation at all while `generate` runs
+  (a listener on JAX's "/jax/core/compile/*" duration events, which also catches eager jax
+  ops and jits outside the runner's bookkeeping).
+
+The listener is shown to work in the same test: compiling one shape outside the buckets
+afterwards is counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+
+import pytest
+from jax import monitoring
+
+from jaxllm import SamplingParams
+
+COMPILE_EVENT_PREFIX = "/jax/core/compile/"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def jax_compile_events():
+    """Counter of JAX's compile-pipeline events (trace, lower, backend compile) in the block."""
+    events: collections.Counter[str] = collections.Counter()
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event.startswith(COMPILE_EVENT_PREFIX):
+            events[event] += 1
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture(scope="module")
+def warm_llm(make_tiny_llm):
+    t0 = time.perf_counter()
+    llm = make_tiny_llm(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                        enforce_eager=False)
+    engine = llm.llm_engine
+    print(f"\nwarm-up: {engine.runner.num_compiles} compiles in {engine.warmup_seconds:.1f} s "
+          f"(LLM() total {time.perf_counter() - t0:.1f} s)")
+    return llm
+
+
+def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
+    runner = warm_llm.llm_engine.runner
+    # Token buckets (16, 32) x one width (64 // 16 = 4 blocks) step shapes, 12 sampler
+    # variants at S = 4, and prompt logits + prompt logprobs per token bucket.
+    assert runner.num_compiles == 2 + 12 + 2 * 2
+    compiled = runner.num_compiles
+    long_prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 5)["input_ids"]
+    assert 32 < len(long_prompt) < 64  # chunked prefill under the 32-token budget
+    prompts = ["Hi", {"prompt_token_ids": long_prompt}, "x y z", "Once upon a time", "A",
+               "The capital of France is"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=6),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=12, logprobs=3),
+        SamplingParams(temperature=0.5, presence_penalty=0.5, frequency_penalty=0.3,
+                       repetition_penalty=1.2, max_tokens=9, prompt_logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=1, logprobs=1,
+                       min_tokens=3, stop=["the"]),
+        SamplingParams(n=2, temperature=0.9, min_p=0.05, max_tokens=7),
+    ]
+    with jax_compile_events() as events:
+        outputs = warm_llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs) for o in outputs] == [1, 1, 1, 1, 1, 2]
+    assert runner.num_compiles == compiled
+    assert not events, f"JAX compiled while serving: {dict(events)}"
+
+    # The check can fail: a shape outside the buckets compiles, and both counters see it.
+    with jax_compile_events() as events:
+        runner.prompt_logits_fns.get((8,))
+    assert runner.num_compiles == compiled + 1
+    assert events[BACKEND_COMPILE_EVENT] >= 1
