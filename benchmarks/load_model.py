@@ -37,10 +37,10 @@ print(json.dumps({"seconds": dt, "peak_mib": peak / 1024, "baseline_mib": base /
 
 
 def write_hf_dir(gguf_path: str, out: str) -> None:
-    from jaxllm.models.gguf import _reader, gguf_to_hf_config, iter_gguf_tensors
+    from jaxllm.models.gguf import gguf_to_hf_config, iter_gguf_tensors, open_gguf
     from jaxllm.models.safetensors_io import save_file
 
-    reader = _reader(gguf_path)
+    reader = open_gguf(gguf_path)
     cfg = gguf_to_hf_config(reader)
     tensors = dict(iter_gguf_tensors(reader, cfg))
     names = sorted(tensors)

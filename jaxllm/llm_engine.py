@@ -21,14 +21,15 @@ from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.kernels import default_attention_backend
 from jaxllm.metrics import EngineMetrics
-from jaxllm.models.resolve import DEFAULT_MODEL, resolve_model, load_model
+from jaxllm.models.gguf import open_gguf
+from jaxllm.models.resolve import DEFAULT_MODEL, load_model, resolve_model
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.kv_cache import determine_num_blocks
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.runner.sampling_metadata import request_seed
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.tokenizer import get_tokenizer
+from jaxllm.tokenizer import get_tokenizer, tokenizer_from_gguf
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -50,7 +51,8 @@ class LLMEngine:
             jnp.bfloat16 if accel else jnp.float32)
         resolved = resolve_model(config.model or DEFAULT_MODEL, gguf_file=config.gguf_file)
         t0 = time.perf_counter()
-        model, mcfg, gen = load_model(resolved, dtype)
+        reader = open_gguf(resolved.path) if resolved.kind == "gguf" else None
+        model, mcfg, gen = load_model(resolved, dtype, reader=reader)
         logger.info("loaded %s from %s in %.1f s", resolved.name, resolved.path,
                     time.perf_counter() - t0)
         if config.max_model_len and config.max_model_len > mcfg.max_position_embeddings:
@@ -60,7 +62,13 @@ class LLMEngine:
                 f"{mcfg.max_position_embeddings}")
         self.config = config = config.resolved(mcfg.max_position_embeddings, accel)
         self.model_config = mcfg
-        self.tokenizer = get_tokenizer(config.tokenizer or resolved.path)
+        if config.tokenizer:
+            self.tokenizer = get_tokenizer(config.tokenizer)
+        elif reader is not None:
+            self.tokenizer = tokenizer_from_gguf(resolved.path, reader=reader)
+        else:
+            self.tokenizer = get_tokenizer(resolved.path)
+        del reader
         self.eos_token_id = self.tokenizer.eos_token_id
         gen_eos = gen.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []

