@@ -65,7 +65,7 @@ def run_hf(args, prompts, outs, model_path):
     model.eval()
     pad = model.config.pad_token_id or 0
     times = []
-    for _ in range(args.repeats):
+    for _ in range(args.hf_repeats):
         t0 = time.perf_counter()
         for i in range(0, len(prompts), args.hf_batch_size):
             batch, batch_outs = prompts[i:i + args.hf_batch_size], outs[i:i + args.hf_batch_size]
@@ -101,6 +101,7 @@ def main():
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--compare", choices=["hf"], default=None)
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-repeats", type=int, default=1, help="HF is slow: one run by default")
     args = p.parse_args()
 
     from jaxllm.models.resolve import resolve_model
