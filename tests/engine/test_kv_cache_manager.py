@@ -1,19 +1,16 @@
 """Exact block ownership of KVCacheManager, and the start-up capacity check."""
 
-import dataclasses
+import functools
 
 import pytest
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager, check_fits
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.engine.request import Request
 
 
-@dataclasses.dataclass
-class Params:
-    max_tokens: int = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+# The real SamplingParams (pure Python); a short max_tokens keeps the runs small.
+Params = functools.partial(SamplingParams, max_tokens=16)
 
 
 def make_request(req_id: str, prompt_len: int) -> Request:

@@ -1,10 +1,11 @@
 """Exact unit tests of Request and the token-budget Scheduler (no runner, no jax)."""
 
-import dataclasses
+import functools
 
 import pytest
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sched_output import ModelRunnerOutput, NewRequestData
@@ -12,12 +13,8 @@ from jaxllm.engine.sched_output import ModelRunnerOutput, NewRequestData
 EOS = 2
 
 
-@dataclasses.dataclass
-class Params:
-    max_tokens: int = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+# The real SamplingParams (pure Python); a short max_tokens keeps the runs small.
+Params = functools.partial(SamplingParams, max_tokens=16)
 
 
 def make_scheduler(*, num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,

@@ -8,11 +8,13 @@ request must have finished, with exactly the tokens and finish reason a referenc
 """
 
 import dataclasses
+import functools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxllm.engine.scheduler import Scheduler
@@ -21,12 +23,8 @@ EOS = 0
 VOCAB = 23
 
 
-@dataclasses.dataclass
-class Params:
-    max_tokens: int = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+# The real SamplingParams (pure Python); a short max_tokens keeps the runs small.
+Params = functools.partial(SamplingParams, max_tokens=16)
 
 
 @dataclasses.dataclass
