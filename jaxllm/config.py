@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.sampling_params import MAX_LOGPROBS
+
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 CPU_DEFAULT_MAX_MODEL_LEN = 2048
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -37,6 +39,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # turns on JAX's persistent compilation cache
     max_logprobs: int = 20
     gguf_file: str | None = None
+    tensor_parallel_size: int = 1  # devices on one "tp" mesh axis (Megatron layout)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -51,8 +54,13 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            # The sampler's top-k width is static: more would be silently truncated.
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.max_logprobs}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
         if (self.max_num_seqs and self.max_num_batched_tokens
                 and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError(

@@ -23,6 +23,7 @@ from jaxllm.kernels import default_attention_backend
 from jaxllm.metrics import EngineMetrics
 from jaxllm.models.gguf import open_gguf
 from jaxllm.models.resolve import DEFAULT_MODEL, load_model, resolve_model
+from jaxllm.models.sharding import make_mesh, param_sharding
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.kv_cache import determine_num_blocks
@@ -52,7 +53,9 @@ class LLMEngine:
         resolved = resolve_model(config.model or DEFAULT_MODEL, gguf_file=config.gguf_file)
         t0 = time.perf_counter()
         reader = open_gguf(resolved.path) if resolved.kind == "gguf" else None
-        model, mcfg, gen = load_model(resolved, dtype, reader=reader)
+        mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        model, mcfg, gen = load_model(resolved, dtype, reader=reader,
+                                      sharding=param_sharding(mesh) if mesh else None)
         logger.info("loaded %s from %s in %.1f s", resolved.name, resolved.path,
                     time.perf_counter() - t0)
         if config.max_model_len and config.max_model_len > mcfg.max_position_embeddings:
@@ -87,7 +90,8 @@ class LLMEngine:
         eos_ids = tuple(t for t in [self.eos_token_id, *self.extra_eos_ids] if t is not None)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
                                   kv_dtype=dtype, buckets=buckets, attention_backend=backend,
-                                  max_model_len=config.max_model_len, eos_token_ids=eos_ids)
+                                  max_model_len=config.max_model_len, eos_token_ids=eos_ids,
+                                  mesh=mesh)
         del model
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(resolved.name)

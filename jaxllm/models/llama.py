@@ -71,10 +71,11 @@ class LlamaForCausalLM(nnx.Module):
         return jnp.einsum("sd,dv->sv", hidden_SD, w_DV, preferred_element_type=jnp.float32)
 
 
-def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
+def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
+                   sharding=None) -> KVCache:
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-            for _ in range(cfg.num_hidden_layers)]
+    zeros = lambda: jnp.zeros(shape, dtype, device=sharding)  # noqa: E731
+    return [(zeros(), zeros()) for _ in range(cfg.num_hidden_layers)]
 
 
 __all__ = ["LlamaForCausalLM", "init_kv_caches"]

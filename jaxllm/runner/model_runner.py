@@ -13,11 +13,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxllm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from jaxllm.models.base import AttentionMetadata
 from jaxllm.models.llama import init_kv_caches
+from jaxllm.models.sharding import kv_cache_sharding
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.input_batch import (CachedRequestState, StepInputs, prepare_inputs,
                                        update_states)
@@ -30,7 +32,8 @@ from jaxllm.runner.step import (CompiledFunctions, abstract_metadata, make_promp
 
 class ModelRunner:
     def __init__(self, model, *, num_blocks: int, block_size: int, kv_dtype, buckets: BucketConfig,
-                 attention_backend: str, max_model_len: int, eos_token_ids: tuple[int, ...]):
+                 attention_backend: str, max_model_len: int, eos_token_ids: tuple[int, ...],
+                 mesh=None):
         cfg = model.config
         self.model_config = cfg
         self.block_size = block_size
@@ -38,24 +41,30 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.graphdef, self.state = nnx.split(model)
-        self.kv_caches = init_kv_caches(cfg, num_blocks, block_size, kv_dtype)
+        # Tensor parallelism: caches split over KV heads when they divide evenly; host inputs
+        # and every output the host reads are replicated over the mesh.
+        rep = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+        kv_sharding = (kv_cache_sharding(mesh) if mesh is not None
+                       and cfg.num_key_value_heads % mesh.size == 0 else rep)
+        self.kv_caches = init_kv_caches(cfg, num_blocks, block_size, kv_dtype, kv_sharding)
         self.requests: dict[str, CachedRequestState] = {}
 
         V = cfg.vocab_size
-        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)  # noqa: E731
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32, sharding=rep)  # noqa
         self.step_fns = CompiledFunctions(
-            make_step_fn(self.graphdef, attention_backend),
-            lambda T, S, W: (self.state, self.kv_caches, *abstract_metadata(T, S, W)))
+            make_step_fn(self.graphdef, attention_backend, rep),
+            lambda T, S, W: (self.state, self.kv_caches, *abstract_metadata(T, S, W, rep)))
         self.sample_fns = CompiledFunctions(
             sample_jit,
             lambda S, variant: (f32(S, V), dummy_sampling_metadata(
                 S, variant, max_model_len=max_model_len)))
         self.prompt_logits_fns = CompiledFunctions(
             make_prompt_logits_fn(self.graphdef),
-            lambda T: (self.state, jax.ShapeDtypeStruct((T, cfg.hidden_size), self._hidden_dtype())))
+            lambda T: (self.state, jax.ShapeDtypeStruct((T, cfg.hidden_size), self._hidden_dtype(),
+                                                        sharding=rep)))
         self.prompt_logprobs_fns = CompiledFunctions(
             prompt_logprobs_jit,
-            lambda T: (f32(T, V), jax.ShapeDtypeStruct((T,), np.int32)))
+            lambda T: (f32(T, V), jax.ShapeDtypeStruct((T,), np.int32, sharding=rep)))
 
     def _hidden_dtype(self):
         return jax.tree.leaves(self.state)[0].dtype

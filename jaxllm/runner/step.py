@@ -19,11 +19,16 @@ from flax import nnx
 from jaxllm.models.base import AttentionMetadata
 
 
-def make_step_fn(graphdef, attention_backend: str):
+def make_step_fn(graphdef, attention_backend: str, replicated=None):
+    """`replicated`: with tensor parallelism, a replicated NamedSharding on the mesh; the
+    outputs are gathered to it so the sampler (compiled for replicated inputs) takes them."""
     def step(state, kv_caches, md: AttentionMetadata, logits_indices_S):
         model = nnx.merge(graphdef, state)
         hidden_TD, kv_caches = model(md, kv_caches, attention_backend)
         logits_SV = model.compute_logits(hidden_TD[logits_indices_S])  # [S, V] f32
+        if replicated is not None:
+            logits_SV = jax.lax.with_sharding_constraint(logits_SV, replicated)
+            hidden_TD = jax.lax.with_sharding_constraint(hidden_TD, replicated)
         return logits_SV, hidden_TD, kv_caches
 
     return jax.jit(step, donate_argnums=(1,))
@@ -36,8 +41,9 @@ def make_prompt_logits_fn(graphdef):
     return jax.jit(prompt_logits)
 
 
-def abstract_metadata(T: int, S: int, W: int) -> tuple[AttentionMetadata, jax.ShapeDtypeStruct]:
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+def abstract_metadata(T: int, S: int, W: int, sharding=None
+                      ) -> tuple[AttentionMetadata, jax.ShapeDtypeStruct]:
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa
     md = AttentionMetadata(input_ids=i32(T), positions=i32(T), slot_mapping=i32(T),
                            block_tables=i32(S, W), seq_lens=i32(S),
                            query_start_loc=i32(S + 1), num_seqs=i32())
