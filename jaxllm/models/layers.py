@@ -19,7 +19,7 @@ from jaxllm.models.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs | None = None):
+    def __init__(self, dim: int, eps: float, *, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))  # [dim]
         self.eps = eps
 

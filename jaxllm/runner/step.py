@@ -68,6 +68,3 @@ class CompiledFunctions:
                 self._compiled[key] = fn
                 self.num_compiles += 1
         return fn
-
-    def __contains__(self, key: tuple) -> bool:
-        return key in self._compiled
