@@ -35,7 +35,6 @@ class ModelRunner:
                  attention_backend: str, max_model_len: int, eos_token_ids: tuple[int, ...],
                  mesh=None):
         cfg = model.config
-        self.model_config = cfg
         self.block_size = block_size
         self.buckets = buckets
         self.max_model_len = max_model_len
