@@ -30,7 +30,7 @@ from jaxllm.kernels import paged_attention as pa
 from jaxllm.kernels import reference
 from jaxllm.kernels import tuning
 
-# HBM bandwidth, bytes/s, as in ../shared/gpu_targets/*.txtpb (memory_bandwidth).
+# HBM bandwidth, bytes/s, as in jaxllm/kernels/targets/*.txtpb (memory_bandwidth).
 HBM_PEAK = {"h100": 3.35232e12, "a100": 2.039e12}
 EFFICIENCY = 0.70  # the fraction of peak a well-tuned memory-bound kernel reaches
 

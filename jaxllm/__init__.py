@@ -1,7 +1,11 @@
 """jaxllm: a JAX/XLA reimplementation of vLLM's offline engine."""
 
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.platform import set_default_platform
+
+set_default_platform()  # before anything imports jax: CPU on a machine with no NVIDIA GPU
+
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from jaxllm.sampling_params import SamplingParams  # noqa: E402
 
 
 def __getattr__(name):

@@ -8,10 +8,23 @@ metadata with the `gguf` package and call only transformers' torch-free converte
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
-import transformers
+
+class _NoTorchAdvisory(logging.Filter):
+    """Drops the one line transformers logs on import when torch is missing ("PyTorch was not
+    found. Models won't be available..."): jaxllm uses only its tokenizers, which need no torch."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("PyTorch was not found.")
+
+
+# On transformers' own logger, where that line is logged, and before the first import.
+logging.getLogger("transformers").addFilter(_NoTorchAdvisory())
+
+import transformers  # noqa: E402
 
 
 def get_tokenizer(path_or_id: str | os.PathLike, *, gguf_file: str | os.PathLike | None = None,

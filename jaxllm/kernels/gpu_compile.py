@@ -1,11 +1,13 @@
-"""Compile jitted functions for an A100/H100 on a machine without a GPU, and inspect the result.
+"""Compile jitted functions for an H100, A100, L4 or H200 without a GPU, and inspect the result.
 
-Owns: building a CUDA device from a GpuTargetConfig text proto (`<repo>/../shared/gpu_targets`),
-compiling through XLA's real GPU pipeline (Triton kernels included) down to PTX and cubin,
-and reading back what a GPU run would depend on: the optimized HLO, the PTX, and per kernel
-the launch shape, shared memory, registers and spills. Also the check that a donated KV cache
-is updated in place (no full-cache copy). Must never: run anything on a device, or be
-imported by the serving path (it is a test and tuning tool).
+Owns: finding a target's GpuTargetConfig text proto (packaged in `jaxllm/kernels/targets/`;
+the `<name>.txtpb` files of the directory named by $JAXLLM_GPU_TARGETS add or override
+targets), building a CUDA device from it, compiling through XLA's real GPU pipeline (Triton
+kernels included) down to PTX and cubin, and reading back what a GPU run would depend on: the
+optimized HLO, the PTX, and per kernel the launch shape, shared memory, registers and spills.
+Also the check that a donated KV cache is updated in place (no full-cache copy). Must never:
+run anything on a device, read target files from anywhere but the package and
+$JAXLLM_GPU_TARGETS, or be imported by the serving path (it is a test and tuning tool).
 
 How it works (jax/jaxlib 0.10.2 + jax-cuda12-plugin, no GPU, no driver):
   * `jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)` gives
@@ -34,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import importlib.resources
 import math
 import os
 import re
@@ -41,17 +44,33 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-TARGETS = ("h100", "a100")
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+TARGETS_ENV = "JAXLLM_GPU_TARGETS"  # a directory of extra/overriding <name>.txtpb targets
+_SUFFIX = ".txtpb"
 
 
-def gpu_targets_dir() -> Path:
-    """`<repo>/../shared/gpu_targets` (CI checks the repo out with `shared/` beside it)."""
-    return _REPO_ROOT.parent / "shared" / "gpu_targets"
+def _target_files() -> dict[str, Traversable]:
+    """target name -> its text proto (a package resource, or a Path of the override dir)."""
+    packaged = importlib.resources.files("jaxllm.kernels") / "targets"
+    files = {f.name[:-len(_SUFFIX)]: f for f in packaged.iterdir() if f.name.endswith(_SUFFIX)}
+    extra = os.environ.get(TARGETS_ENV)
+    if extra:
+        if not os.path.isdir(extra):
+            raise ValueError(f"{TARGETS_ENV}={extra!r} is not a directory")
+        files.update({p.name[:-len(_SUFFIX)]: p for p in Path(extra).glob(f"*{_SUFFIX}")})
+    return files
+
+
+def available_targets() -> list[str]:
+    """Names `compile_for_target` accepts: the packaged targets and those of $JAXLLM_GPU_TARGETS."""
+    return sorted(_target_files())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,37 +81,49 @@ class TargetInfo:
     registers_per_block_limit: int
     num_sms: int
     memory_bandwidth: float  # bytes / s
+    description: str  # device_description_str: the device name the CUDA driver reports
+    source: str  # where the text proto was read from
     config_text: str
 
 
-@functools.cache
 def target_info(target: str) -> TargetInfo:
-    path = gpu_targets_dir() / f"{target}.txtpb"
-    if not path.exists():
-        raise FileNotFoundError(f"no GPU target config {path} (expected ../shared beside the repo)")
-    text = path.read_text()
+    files = _target_files()
+    if target not in files:
+        raise ValueError(f"unknown GPU target {target!r}; available: {', '.join(sorted(files))} "
+                         f"(add one as <dir>/{target}{_SUFFIX} with {TARGETS_ENV}=<dir>)")
+    return _parse_target(target, files[target].read_text(), str(files[target]))
 
-    def field(name):
-        m = re.search(rf"^\s*{name}:\s*([0-9.e+]+)\s*$", text, re.M)
-        if m is None:
-            raise ValueError(f"{path}: field {name} missing")
-        return float(m.group(1))
 
-    cc = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*(\d+)", text)
+@functools.cache
+def _parse_target(target: str, text: str, source: str) -> TargetInfo:
+    # `#` comments (the files' source notes) end at the line end; a `#` followed by a quote
+    # may sit inside a string, so it is kept.
+    body = re.sub(r"#[^\"\n]*$", "", text, flags=re.M)
+
+    def field(name, pattern=r"([0-9.e+]+)", default=None):
+        m = re.search(rf"^\s*{name}:\s*{pattern}\s*$", body, re.M)
+        if m is None and default is None:
+            raise ValueError(f"{source}: field {name} missing")
+        return m.group(1) if m else default
+
+    cc = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*(\d+)", body)
+    if cc is None:
+        raise ValueError(f"{source}: field cuda_compute_capability missing")
     major, minor = int(cc.group(1)), int(cc.group(2))
     arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")  # sm_90a: Hopper-specific PTX
     return TargetInfo(name=target, arch=arch,
                       shared_memory_per_block_optin=int(field("shared_memory_per_block_optin")),
                       registers_per_block_limit=int(field("registers_per_block_limit")),
                       num_sms=int(field("core_count")),
-                      memory_bandwidth=field("memory_bandwidth"), config_text=text)
+                      memory_bandwidth=float(field("memory_bandwidth")),
+                      description=field("device_description_str", r'"([^"]*)"', default=""),
+                      source=source, config_text=text)
 
 
-def _ensure_cuda_plugin() -> None:
+def _ensure_cuda_plugin(config_text: str) -> None:
     from jax.experimental import topologies
     try:
-        topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                     target_config=target_info("h100").config_text)
+        topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=config_text)
         return
     except NotImplementedError:
         pass  # plugin skipped at backend start-up (its CUDA version check failed)
@@ -105,13 +136,17 @@ def _ensure_cuda_plugin() -> None:
     cuda_plugin.initialize()
 
 
-@functools.cache
 def target_device(target: str):
-    """A compile-only CUDA device described by `<gpu_targets>/<target>.txtpb`."""
+    """A compile-only CUDA device described by the target's text proto."""
+    return _device(target_info(target).config_text)
+
+
+@functools.cache
+def _device(config_text: str):
     from jax.experimental import topologies
-    _ensure_cuda_plugin()
+    _ensure_cuda_plugin(config_text)
     topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                        target_config=target_info(target).config_text)
+                                        target_config=config_text)
     return topo.devices[0]
 
 

@@ -10,11 +10,14 @@ share one KV head), so decode-heavy batches use the smallest tensor-core tile (1
 prefill-heavy batches use taller tiles so that each K/V chunk is reused by more query rows.
 The numbers were checked to compile with no register spill and within shared memory for both
 targets in `tests/kernels/test_gpu_compile.py`; they are starting points, not autotuned.
+Targets without measurements of their own (H200, L4) borrow the tiles of the closest tuned
+family, with their own SM count.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,12 @@ TARGETS: dict[str, TargetTuning] = {
         prefill=TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
     ),
 }
+# H200: the H100 SXM's 132 Hopper SMs; only its memory is larger and faster.
+TARGETS["h200"] = TARGETS["h100"]
+# L4 (sm_89): the A100's instruction set for these kernels (mma.sync and cp.async, no wgmma),
+# 58 SMs; the A100 tiles fit its 99 KB of shared memory per block (57 KB for the bf16 prefill
+# tile at head_dim 128).
+TARGETS["l4"] = dataclasses.replace(TARGETS["a100"], num_sms=58)
 
 # f32 caches (tests, debugging): dots run as 3xTF32, which needs about three times the
 # registers of a 16-bit tile; taller tiles spill on both targets, so f32 always uses this.
@@ -64,9 +73,16 @@ def detect_target() -> str:
     """The tuning-table key of the default JAX device ("default" when it is not a known GPU)."""
     import jax
 
-    kind = jax.devices()[0].device_kind.upper()
-    for name in ("H100", "A100"):
-        if name in kind:
+    return target_of_device_kind(jax.devices()[0].device_kind)
+
+
+def target_of_device_kind(kind: str) -> str:
+    """The tuning key of a device kind, e.g. "NVIDIA H100 80GB HBM3" -> "h100".
+
+    Whole words only: an "NVIDIA L40S" is not an L4.
+    """
+    for name in ("H100", "H200", "A100", "L4"):
+        if re.search(rf"\b{name}\b", kind.upper()):
             return name.lower()
     return "default"
 

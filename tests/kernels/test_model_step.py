@@ -4,7 +4,7 @@ Tier 1: a full greedy run of a tiny model through "pallas_interpret" gives the X
         tokens (engine end to end: scheduler, buckets, donated cache, sampler).
 Tier 2: `jax.export(..., platforms=["cuda"])` of the runner's jitted step for every bucket an
         engine config can launch (the kernel variant is a function of the bucket's shapes).
-Tier 3: the same step compiled for H100 and A100 (../shared/gpu_targets): a small model and
+Tier 3: the same step compiled for H100 and A100 (jaxllm/kernels/targets): a small model and
         one layer shaped like Llama-3-8B; no full KV-cache copy, clean kernels.
 """
 
