@@ -1,7 +1,10 @@
 """ModelConfig: the architecture facts a jaxllm model needs, built once from an HF config.
 
 Owns: translating `config.json` (or GGUF metadata turned into the same dict) into a frozen,
-validated dataclass. Never imports jax: the scheduler and the loader read it too.
+validated dataclass, including the choice of architecture (`architectures[0]`, or the
+`model_type` fallback HF's Auto classes use when `architectures` is absent). Never imports jax:
+the scheduler and the loader read it too. Never reads files: errors name keys, and the caller
+that opened the file adds its path.
 """
 
 from __future__ import annotations
@@ -9,6 +12,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+# config.json `model_type` -> the architecture HF's AutoModelForCausalLM builds for it; used
+# only when `architectures` is missing or null (configs written by hand or by old tools).
+MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -43,7 +54,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -57,35 +69,40 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a `config.json` dict (or a transformers PretrainedConfig.to_dict())."""
-        archs = hf.get("architectures") or []
-        if not archs:
-            raise ValueError("config has no 'architectures' entry; cannot pick a model class")
-        arch = archs[0]
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden // num_heads
+        """Build from a `config.json` dict (or a transformers PretrainedConfig.to_dict()).
+
+        Raises ValueError naming the key for anything missing, null where a value is needed,
+        or of the wrong type; never KeyError or TypeError."""
+        if not isinstance(hf, Mapping):
+            raise ValueError(f"a model config must be a JSON object, got {type(hf).__name__}")
+        arch = architecture_of(hf)
+        num_heads = _required_int(hf, "num_attention_heads")
+        hidden = _required_int(hf, "hidden_size")
+        # max(.., 1): a zero head count is reported by __post_init__ by name, not as a
+        # ZeroDivisionError here.
+        head_dim = _optional_int(hf, "head_dim") or hidden // max(num_heads, 1)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        max_pos = _optional_int(hf, "max_position_embeddings")
+        max_pos = 2048 if max_pos is None else max_pos
         if hf.get("sliding_window") and hf.get("use_sliding_window", True) and \
                 arch == "MistralForCausalLM":
             # Mistral v0.1 uses a 4096-token window; later Mistrals set it to null. We only
             # implement full attention, so limit the context to the window instead of
             # silently computing something else.
-            max_pos = min(int(hf.get("max_position_embeddings", 2048)), int(hf["sliding_window"]))
-        else:
-            max_pos = int(hf.get("max_position_embeddings", 2048))
+            max_pos = min(max_pos, _required_int(hf, "sliding_window"))
         return cls(
             architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=_required_int(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_hidden_layers=int(hf["num_hidden_layers"]),
+            intermediate_size=_required_int(hf, "intermediate_size"),
+            num_hidden_layers=_required_int(hf, "num_hidden_layers"),
             num_attention_heads=num_heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_theta(hf)),
+            # 0 or null means "absent", as in transformers: plain multi-head attention.
+            num_key_value_heads=_optional_int(hf, "num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_float(hf, "rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(hf),
             rope_scaling=_rope_scaling(hf),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -97,15 +114,72 @@ class ModelConfig:
         )
 
 
+def architecture_of(hf: Mapping[str, Any]) -> str:
+    """`architectures[0]`; when that key is missing, null or empty, what `model_type` maps to.
+
+    A named but unsupported architecture is left for the model registry to reject (it knows
+    the classes); only the fallback is decided here.
+    """
+    archs = hf.get("architectures")
+    if archs:
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ValueError(f"config key 'architectures' must be a list of class names "
+                             f"such as [\"LlamaForCausalLM\"], got {archs!r}")
+        return archs[0]
+    model_type = hf.get("model_type")
+    if isinstance(model_type, str) and model_type in MODEL_TYPE_ARCHITECTURES:
+        return MODEL_TYPE_ARCHITECTURES[model_type]
+    found = "is missing" if model_type is None else f"is {model_type!r}"
+    supported = ", ".join(f"{t!r} ({a})" for t, a in sorted(MODEL_TYPE_ARCHITECTURES.items()))
+    raise ValueError(
+        f"cannot pick a model class: config key 'architectures' is missing or empty and "
+        f"'model_type' {found}; set 'architectures' or use a supported 'model_type': "
+        f"{supported}")
+
+
+def _optional_int(hf: Mapping[str, Any], key: str) -> int | None:
+    """hf[key] as an int, None when absent or null. 12.0 is accepted; 12.5, "12", true are not."""
+    value = hf.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"config key {key!r} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _required_int(hf: Mapping[str, Any], key: str) -> int:
+    value = _optional_int(hf, key)
+    if value is None:
+        state = "null" if key in hf else "missing"
+        raise ValueError(f"config key {key!r} (an integer) is required but is {state}")
+    return value
+
+
+def _float(hf: Mapping[str, Any], key: str, default: float, where: str = "config") -> float:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} key {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
 def _rope_params(hf: Mapping[str, Any]) -> Mapping[str, Any]:
     # transformers >= 5 folds rope_theta and rope_scaling into `rope_parameters`.
-    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    for key in ("rope_parameters", "rope_scaling"):
+        value = hf.get(key)
+        if value:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"config key {key!r} must be an object, got {value!r}")
+            return value
+    return {}
 
 
 def _rope_theta(hf: Mapping[str, Any]) -> float:
-    if "rope_theta" in hf:
-        return hf["rope_theta"]
-    return _rope_params(hf).get("rope_theta", 10000.0)
+    if hf.get("rope_theta") is not None:
+        return _float(hf, "rope_theta", 10000.0)
+    return _float(_rope_params(hf), "rope_theta", 10000.0, where="rope_parameters")
 
 
 def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
@@ -115,9 +189,14 @@ def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
         return None
     if kind != "llama3":
         raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: 'llama3')")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings") if rs.get(k) is None]
+    if missing:
+        raise ValueError(f"llama3 rope scaling needs {', '.join(missing)} in "
+                         f"rope_parameters / rope_scaling")
     return RopeScaling(
-        factor=float(rs["factor"]),
-        low_freq_factor=float(rs["low_freq_factor"]),
-        high_freq_factor=float(rs["high_freq_factor"]),
-        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        factor=_float(rs, "factor", 0.0, where="rope_scaling"),
+        low_freq_factor=_float(rs, "low_freq_factor", 0.0, where="rope_scaling"),
+        high_freq_factor=_float(rs, "high_freq_factor", 0.0, where="rope_scaling"),
+        original_max_position_embeddings=_required_int(rs, "original_max_position_embeddings"),
     )

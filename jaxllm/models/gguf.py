@@ -2,7 +2,9 @@
 
 Owns: llama.cpp's naming and layout conventions (tensor names, the Q/K row permutation its
 converter applies to Llama-style models). Reads with the `gguf` package (no torch); yields
-HF-named float32 tensors one at a time so the caller never holds a second full copy.
+HF-named float32 tensors one at a time so the caller never holds a second full copy. A file
+that is not GGUF, is truncated, or lacks a metadata key we need is a ValueError naming the file
+(the `gguf` reader itself fails on such bytes with IndexError, reshape errors and the like).
 """
 
 from __future__ import annotations
@@ -39,17 +41,36 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_MAGIC = b"GGUF"
 
 
 def open_gguf(path: str):
     """A GGUFReader (parsing the metadata takes seconds: open once, share with the tokenizer)."""
     from gguf import GGUFReader
-    return GGUFReader(path)
+
+    with open(path, "rb") as f:  # a missing or unreadable file raises OSError naming it
+        magic = f.read(len(_MAGIC))
+    if magic != _MAGIC:
+        raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not {_MAGIC!r}")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader indexes raw bytes: corrupt input fails in many ways
+        raise ValueError(f"{path} is truncated or corrupt: the GGUF reader failed with "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
+
+
+def _required_count(reader, key) -> int:
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF metadata key {key!r} is missing")
+    if int(value) < 1:
+        raise ValueError(f"GGUF metadata key {key!r} must be >= 1, got {value}")
+    return int(value)
 
 
 def gguf_to_hf_config(reader) -> dict:
@@ -59,16 +80,21 @@ def gguf_to_hf_config(reader) -> dict:
         raise ValueError(f"GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(sorted(_ARCHS))})")
     p = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    need = lambda k: _required_count(reader, f"{arch}.{k}")  # noqa: E731
     names = {t.name for t in reader.tensors}
-    vocab = p("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    heads = int(p("attention.head_count"))
-    hidden = int(p("embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = p("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if not vocab:
+        raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor "
+                         f"tokenizer.ggml.tokens, so the vocabulary size is unknown")
+    heads = need("attention.head_count")
+    hidden = need("embedding_length")
     cfg = {
         "architectures": [_ARCHS[arch][0]],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(p("feed_forward_length")),
-        "num_hidden_layers": int(p("block_count")),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": int(p("attention.head_count_kv", heads)),
         "head_dim": int(p("attention.key_length", hidden // heads)),
@@ -127,8 +153,11 @@ def load_gguf(path: str, dtype, sharding=None, reader=None):
     from jaxllm.models.weights import load_params
 
     reader = reader if reader is not None else open_gguf(path)
-    hf_cfg = gguf_to_hf_config(reader)
-    cfg = ModelConfig.from_hf_config(hf_cfg)
+    try:
+        hf_cfg = gguf_to_hf_config(reader)
+        cfg = ModelConfig.from_hf_config(hf_cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
     gen = {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": hf_cfg["eos_token_id"]}
     model = load_params(cfg, iter_gguf_tensors(reader, hf_cfg), dtype, sharding)
     return model, cfg, gen

@@ -1,4 +1,8 @@
-"""Architecture registry keyed on config.json's `architectures[0]`."""
+"""Architecture registry: ModelConfig.architecture -> model class.
+
+Owns the set of supported architecture names. The architecture itself is chosen in
+`config.py` (`architectures[0]`, or the `model_type` fallback), which must not import jax.
+"""
 
 from __future__ import annotations
 

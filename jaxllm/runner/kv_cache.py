@@ -2,6 +2,8 @@
 
 Priority: num_gpu_blocks_override (tests) > kv_cache_memory_bytes > gpu_memory_utilization of
 the accelerator's memory (minus what the weights already hold) > CPU default of 1 GiB.
+A budget too small for one max_model_len request is refused here, where the bytes are known,
+so the error can say how many bytes one block needs; the count is never negative.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import jax
 import numpy as np
 
 from jaxllm.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from jaxllm.engine.kv_cache_manager import check_fits
 from jaxllm.models.config import ModelConfig
 
 
@@ -32,6 +35,17 @@ def available_kv_bytes(config: EngineConfig) -> int:
 
 
 def determine_num_blocks(config: EngineConfig, cfg: ModelConfig, dtype) -> int:
+    """Blocks (the null block included) the budget holds; ValueError if one request of
+    config.max_model_len (when set) would not fit."""
+    per_block = kv_bytes_per_block(cfg, config.block_size, dtype)
+    budget_bytes = None
     if config.num_gpu_blocks_override is not None:
-        return config.num_gpu_blocks_override
-    return max(0, available_kv_bytes(config) // kv_bytes_per_block(cfg, config.block_size, dtype))
+        num_blocks = config.num_gpu_blocks_override
+    else:
+        # On an accelerator whose memory the weights already fill, the budget is negative.
+        budget_bytes = max(0, available_kv_bytes(config))
+        num_blocks = budget_bytes // per_block
+    if config.max_model_len is not None:
+        check_fits(num_blocks, config.block_size, config.max_model_len,
+                   bytes_per_block=per_block, budget_bytes=budget_bytes)
+    return num_blocks

@@ -1,5 +1,6 @@
 """ModelConfig.from_hf_config on config.json dicts of every architecture, both transformers
-key layouts (`rope_parameters` in 5.x, `rope_theta` + `rope_scaling` before), and its errors."""
+key layouts (`rope_parameters` in 5.x, `rope_theta` + `rope_scaling` before), the `model_type`
+fallback when `architectures` is absent, and its errors (each naming the key at fault)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from jaxllm.models.config import ModelConfig, RopeScaling
+from jaxllm.models.config import MODEL_TYPE_ARCHITECTURES, ModelConfig, RopeScaling
 from jaxllm.models.layers import rope_inv_freq
 
 LLAMA3_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -157,14 +158,131 @@ def test_unsupported_rope_type(rope_type):
         ModelConfig.from_hf_config(d)
 
 
-def test_missing_architectures():
-    with pytest.raises(ValueError, match="architectures"):
-        ModelConfig.from_hf_config(hf_dict(architectures=None))
+_FALLBACK = [("llama", "LlamaForCausalLM", False, False),
+             ("mistral", "MistralForCausalLM", False, False),
+             ("qwen2", "Qwen2ForCausalLM", True, False),
+             ("qwen3", "Qwen3ForCausalLM", False, True)]
+
+
+@pytest.mark.parametrize("absent", ["missing", "null", "empty"])
+@pytest.mark.parametrize("model_type, arch, bias, qk_norm", _FALLBACK)
+def test_model_type_picks_the_architecture_when_architectures_is_absent(
+        model_type, arch, bias, qk_norm, absent):
+    d = hf_dict(model_type=model_type)
+    if absent == "missing":
+        del d["architectures"]
+    else:
+        d["architectures"] = None if absent == "null" else []
+    cfg = ModelConfig.from_hf_config(d)
+    assert cfg == ModelConfig.from_hf_config(hf_dict(arch, model_type=model_type))
+    assert (cfg.architecture, cfg.attention_bias, cfg.qk_norm) == (arch, bias, qk_norm)
+
+
+def test_model_type_fallback_covers_exactly_the_registry():
+    from jaxllm.models.registry import supported_architectures
+
+    assert sorted(MODEL_TYPE_ARCHITECTURES) == ["llama", "mistral", "qwen2", "qwen3"]
+    assert sorted(MODEL_TYPE_ARCHITECTURES.values()) == supported_architectures()
+
+
+def test_mistral_fallback_keeps_the_sliding_window_cap():
+    d = hf_dict(architectures=None, model_type="mistral", max_position_embeddings=32768,
+                sliding_window=4096)
+    assert ModelConfig.from_hf_config(d).max_position_embeddings == 4096
+
+
+def test_architectures_wins_over_model_type():
+    cfg = ModelConfig.from_hf_config(hf_dict("Qwen2ForCausalLM", model_type="llama"))
+    assert (cfg.architecture, cfg.attention_bias) == ("Qwen2ForCausalLM", True)
+
+
+_NO_CLASS = ("cannot pick a model class: config key 'architectures' is missing or empty and "
+             "'model_type' {}; set 'architectures' or use a supported 'model_type': "
+             "'llama' (LlamaForCausalLM), 'mistral' (MistralForCausalLM), "
+             "'qwen2' (Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM)")
+
+
+@pytest.mark.parametrize("model_type, found", [
+    (None, "is missing"), ("gpt2", "is 'gpt2'"), ("Llama", "is 'Llama'"), (7, "is 7")])
+def test_no_architectures_and_unknown_model_type(model_type, found):
+    d = hf_dict(architectures=None)
+    if model_type is not None:
+        d["model_type"] = model_type
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf_config(d)
+    assert str(err.value) == _NO_CLASS.format(found)
+
+
+@pytest.mark.parametrize("archs", ["LlamaForCausalLM", [None], {"a": 1}])
+def test_architectures_of_the_wrong_type(archs):
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf_config(hf_dict(architectures=archs))
+    assert str(err.value) == ("config key 'architectures' must be a list of class names such "
+                              f'as ["LlamaForCausalLM"], got {archs!r}')
+
+
+@pytest.mark.parametrize("config", [[1, 2], "llama", None])
+def test_config_that_is_not_an_object(config):
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf_config(config)
+    assert str(err.value) == (f"a model config must be a JSON object, got "
+                              f"{type(config).__name__}")
+
+
+@pytest.mark.parametrize("key", ["vocab_size", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads"])
+@pytest.mark.parametrize("state", ["missing", "null"])
+def test_missing_required_key_is_named(key, state):
+    d = hf_dict()
+    if state == "missing":
+        del d[key]
+    else:
+        d[key] = None
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf_config(d)
+    assert str(err.value) == f"config key {key!r} (an integer) is required but is {state}"
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", "64"), ("hidden_size", 64.5),
+                                        ("num_hidden_layers", True), ("head_dim", [8]),
+                                        ("max_position_embeddings", "4k")])
+def test_non_integer_size_is_named(key, value):
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf_config(hf_dict(**{key: value}))
+    assert str(err.value) == f"config key {key!r} must be an integer, got {value!r}"
+
+
+def test_integral_floats_are_accepted():
+    assert ModelConfig.from_hf_config(hf_dict(hidden_size=64.0)).hidden_size == 64
+
+
+@pytest.mark.parametrize("key, value", [("rms_norm_eps", "1e-5"), ("rope_theta", False)])
+def test_non_numeric_float_is_named(key, value):
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf_config(hf_dict(**{key: value}))
+    assert str(err.value) == f"config key {key!r} must be a number, got {value!r}"
+
+
+def test_rope_parameters_that_are_not_an_object():
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf_config(hf_dict(rope_parameters="llama3"))
+    assert str(err.value) == "config key 'rope_parameters' must be an object, got 'llama3'"
+
+
+def test_llama3_rope_with_missing_keys():
+    d = hf_dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=8.0))
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf_config(d)
+    assert str(err.value) == ("llama3 rope scaling needs low_freq_factor, high_freq_factor, "
+                              "original_max_position_embeddings in rope_parameters / "
+                              "rope_scaling")
 
 
 # num_key_value_heads 0 means "absent" (falls back to num_attention_heads), hence -2.
 @pytest.mark.parametrize("field, value", [("hidden_size", 0), ("vocab_size", 0),
-                                          ("num_key_value_heads", -2)])
+                                          ("num_key_value_heads", -2),
+                                          ("num_attention_heads", 0),
+                                          ("max_position_embeddings", 0)])
 def test_nonpositive_sizes(field, value):
     with pytest.raises(ValueError, match=f"{field} must be >= 1"):
         ModelConfig.from_hf_config(hf_dict(**{field: value}))
