@@ -1,6 +1,8 @@
-"""Pure-XLA ragged paged attention: the CPU path, and the reference the Pallas kernel mirrors.
+"""Pure-XLA ragged paged attention: the simple reference the kernels mirror, not a backend.
 
-Owns: attention of a packed ragged batch of new query tokens over a paged KV cache.
+Owns: the plainest correct statement of attention of a packed ragged batch of new query tokens
+over a paged KV cache. Backend "xla" (the CPU path) is kernels/xla_attention.py; this file
+stays short and obviously right, and its cost follows the padded block-table width.
 Must never: read a cache slot that is not causally visible to the query (unused slots may
 hold NaN), or depend on anything past `num_seqs` / `query_start_loc[num_seqs]`.
 

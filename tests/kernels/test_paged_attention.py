@@ -1,15 +1,8 @@
 """Tier 1: the Pallas kernel under the Pallas interpreter (CPU) and the XLA reference, both
 against a float64 numpy reference, on hypothesis-drawn ragged batches.
 
-Every batch fills every cache slot that no query may see with NaN (unused pages, the tail of
-the last page, padding sequences' pages, the null block 0) and the padding query rows too,
-so a kernel that reads or multiplies an invisible value fails with NaN, not a small error.
-
-Tolerances (|out - ref| <= atol + rtol * |ref|, outputs are O(1) averages of N(0, 1) values):
-  float32  1e-5 / 1e-5: f32 dots, f32 softmax; error ~1e-6 from summation order.
-  bfloat16 2e-2 / 2e-2: probabilities are rounded to bf16 (8-bit mantissa, 2^-9 relative)
-           before the P @ V dot, and the output to bf16; observed ~1.5e-2 worst case.
-  float16  4e-3 / 4e-3: the same with an 11-bit mantissa.
+The batches, their NaN traps, the float64 oracle and the tolerances live in tests/kernels/
+oracle.py, shared with the "xla" backend's tests (test_xla_attention.py).
 """
 
 from __future__ import annotations
@@ -26,99 +19,13 @@ from hypothesis import strategies as st
 
 from jaxllm.kernels import paged_attention as pa
 from jaxllm.kernels import tuning
+from oracle import Batch, Shape, batches, check, make_inputs
 
 # When a hypothesis example fails, hypothesis' pytest plugin imports libcst (to print a patch)
 # and libcst 1.0.1 uses the deprecated mypy_extensions.TypedDict; with warnings as errors that
 # turns the real failure report into a pytest INTERNALERROR.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning")
-
-TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """The static shapes of one compiled kernel (one jit cache entry per Shape)."""
-    T: int
-    S: int
-    max_blocks: int
-    Hkv: int
-    G: int
-    D: int
-    dtype: str
-    block_size: int = 16
-    tuning: tuple = ()  # extra tuning kwargs as (key, value) pairs
-
-    @property
-    def num_blocks(self):  # every page of every sequence, the null block, 3 spare NaN blocks
-        return 1 + self.S * self.max_blocks + 3
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    q_lens: tuple[int, ...]  # per real sequence
-    ctx_lens: tuple[int, ...]  # cached tokens per real sequence
-    seed: int
-
-
-def make_inputs(shape: Shape, batch: Batch):
-    """numpy arrays for one call; invisible cache slots and padding q rows are NaN."""
-    rng = np.random.default_rng(batch.seed)
-    bs, S, B, Hkv, D = shape.block_size, shape.S, shape.max_blocks, shape.Hkv, shape.D
-    Hq = Hkv * shape.G
-    num_seqs = len(batch.q_lens)
-    dtype = jnp.dtype(shape.dtype)
-
-    qsl = np.zeros(S + 1, np.int32)
-    qsl[1:num_seqs + 1] = np.cumsum(batch.q_lens)
-    # Padding sequences: plausible garbage the kernel must not read.
-    qsl[num_seqs + 1:] = np.sort(rng.integers(qsl[num_seqs], shape.T + 1, S - num_seqs))
-    seq_lens = rng.integers(0, B * bs + 1, S).astype(np.int32)
-    seq_lens[:num_seqs] = np.add(batch.q_lens, batch.ctx_lens)
-
-    pages = rng.permutation(np.arange(1, shape.num_blocks))
-    block_tables = rng.choice([0, *pages[-3:]], size=(S, B)).astype(np.int32)  # NaN pages
-    k = np.full((shape.num_blocks, bs, Hkv, D), np.nan, np.float32)
-    v = np.full_like(k, np.nan)
-    for s in range(num_seqs):
-        n = -(-int(seq_lens[s]) // bs)
-        block_tables[s, :n] = pages[s * B: s * B + n]
-        pos = np.arange(seq_lens[s])
-        blk, off = block_tables[s, pos // bs], pos % bs
-        k[blk, off] = rng.standard_normal((len(pos), Hkv, D))
-        v[blk, off] = rng.standard_normal((len(pos), Hkv, D))
-    # A few peaky rows: scaled queries make softmax nearly one-hot.
-    q = rng.standard_normal((shape.T, Hq, D)) * rng.choice([0.5, 1.0, 4.0], (shape.T, 1, 1))
-    q[qsl[num_seqs]:] = np.nan
-    cast = lambda a: np.asarray(jnp.asarray(a, dtype))  # round once; the reference sees it too
-    return dict(q=cast(q), k_cache=cast(k), v_cache=cast(v), block_tables=block_tables,
-                seq_lens=seq_lens, query_start_loc=qsl, num_seqs=np.int32(num_seqs))
-
-
-def reference_f64(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                  sm_scale):
-    """Token by token, in float64, straight from the definition."""
-    T, Hq, D = q.shape
-    _, bs, Hkv, _ = k_cache.shape
-    G = Hq // Hkv
-    k_flat = k_cache.astype(np.float64).reshape(-1, Hkv, D)
-    v_flat = v_cache.astype(np.float64).reshape(-1, Hkv, D)
-    out = np.zeros((T, Hq, D))
-    for s in range(int(num_seqs)):
-        q_len = query_start_loc[s + 1] - query_start_loc[s]
-        ctx = seq_lens[s] - q_len
-        pos = np.arange(seq_lens[s])
-        slots = block_tables[s, pos // bs] * bs + pos % bs
-        k, v = k_flat[slots], v_flat[slots]  # [L, Hkv, D]
-        for j in range(q_len):
-            t, p = query_start_loc[s] + j, ctx + j
-            q_kgd = q[t].astype(np.float64).reshape(Hkv, G, D)
-            scores = np.einsum("kgd,lkd->kgl", q_kgd, k[:p + 1]) * sm_scale
-            w = np.exp(scores - scores.max(-1, keepdims=True))
-            w /= w.sum(-1, keepdims=True)
-            out[t] = np.einsum("kgl,lkd->kgd", w, v[:p + 1]).reshape(Hq, D)
-    return out
-
 
 @functools.cache
 def kernel_fn(shape: Shape):
@@ -130,51 +37,6 @@ def kernel_fn(shape: Shape):
 def reference_fn(shape: Shape):
     from jaxllm.kernels import reference
     return jax.jit(functools.partial(reference.ragged_paged_attention, sm_scale=shape.D ** -0.5))
-
-
-def check(fn, shape: Shape, batch: Batch):
-    inputs = make_inputs(shape, batch)
-    out = np.asarray(fn(**{k: jnp.asarray(v) for k, v in inputs.items()})).astype(np.float64)
-    ref = reference_f64(**inputs, sm_scale=shape.D ** -0.5)
-    end = int(inputs["query_start_loc"][len(batch.q_lens)])
-    assert np.all(out[end:] == 0), "padding rows must be exactly zero"
-    assert not np.isnan(out).any(), "NaN from an invisible cache slot or padding row"
-    tol = TOLERANCE[shape.dtype]
-    err = np.abs(out - ref)
-    assert np.all(err <= tol + tol * np.abs(ref)), f"max error {err.max():.3g} (tol {tol})"
-    return float(err.max())
-
-
-# ------------------------------------------------------------------ hypothesis batches
-
-
-@st.composite
-def batches(draw, shape: Shape, kind: str):
-    """A ragged batch of `kind` decode / prefill / mixed fitting the static `shape`."""
-    bs, L = shape.block_size, shape.max_blocks * shape.block_size
-    # Context lengths cluster around page (and key-chunk) boundaries.
-    near_boundary = st.sampled_from(sorted({max(0, min(L, bs * i + d))
-                                            for i in range(shape.max_blocks + 1)
-                                            for d in (-1, 0, 1)}))
-    num_seqs = draw(st.integers(1 if kind == "decode" else 0, shape.S))
-    budget = shape.T
-    q_lens, ctx_lens = [], []
-    for _ in range(num_seqs):
-        if kind == "decode":
-            q_len = 1
-        elif kind == "prefill":
-            q_len = draw(st.integers(1, shape.T))
-        else:
-            q_len = draw(st.one_of(st.just(0), st.just(1), st.integers(2, shape.T)))
-        q_len = min(q_len, budget, L)
-        budget -= q_len
-        if kind == "prefill":
-            ctx = 0
-        else:
-            ctx = min(draw(st.one_of(near_boundary, st.integers(0, L))), L - q_len)
-        q_lens.append(q_len)
-        ctx_lens.append(ctx)
-    return Batch(tuple(q_lens), tuple(ctx_lens), draw(st.integers(0, 2 ** 31 - 1)))
 
 
 # Static shapes: each is one compile (a few seconds in the interpreter), so they are few and

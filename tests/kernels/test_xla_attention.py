@@ -1,0 +1,104 @@
+"""Backend "xla" (kernels/xla_attention.py) against the float64 oracle on hypothesis-drawn
+ragged batches: decode-only, prefill-only and mixed, q_len 0 / 1 / many, contexts on page and
+chunk boundaries, empty and padding sequences, GQA groups 1..8, head dims 64 / 128, f32 / bf16 /
+f16, NaN in every invisible slot and padding row, block tables far wider than any sequence.
+
+Most shapes shrink the kernel's tiles (a few keys per chunk, a few rows per tile) so that small
+batches still cross every boundary of its work decomposition: several chunks per row, several
+items per loop iteration, items of several rows in one iteration, several prefill tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxllm.kernels import get_attention_fn
+from jaxllm.kernels import xla_attention as xa
+from oracle import TOLERANCE, Batch, Shape, batches, check, make_inputs, reference_f64, run
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning")
+
+SMALL = (("decode_chunk", 16), ("decode_items", 3), ("prefill_tile", 4), ("prefill_chunk", 32))
+ODD = (("decode_chunk", 48), ("decode_items", 5), ("prefill_tile", 6), ("prefill_chunk", 16))
+
+# (shape, cap on cached context or None). Each shape is one compile (~2 s).
+SHAPES = [
+    (Shape(T=16, S=8, max_blocks=64, Hkv=2, G=4, D=64, dtype="float32", tuning=SMALL), 40),
+    (Shape(T=32, S=4, max_blocks=6, Hkv=1, G=3, D=128, dtype="bfloat16", tuning=SMALL), None),
+    (Shape(T=24, S=5, max_blocks=5, Hkv=2, G=1, D=64, dtype="float32", tuning=ODD), None),
+    (Shape(T=20, S=4, max_blocks=8, Hkv=1, G=8, D=64, dtype="float16", tuning=ODD), None),
+    (Shape(T=40, S=5, max_blocks=6, Hkv=3, G=5, D=128, dtype="bfloat16"), None),
+    (Shape(T=24, S=4, max_blocks=40, Hkv=1, G=7, D=64, dtype="float32"), 300),
+]
+KINDS = ["decode", "prefill", "mixed"]
+
+
+@functools.cache
+def xla_fn(shape: Shape):
+    return jax.jit(functools.partial(xa.ragged_paged_attention, sm_scale=shape.D ** -0.5,
+                                     **dict(shape.tuning)))
+
+
+@pytest.mark.parametrize("shape,max_ctx", SHAPES,
+                         ids=lambda a: f"T{a.T}-W{a.max_blocks}-G{a.G}-D{a.D}-{a.dtype}"
+                         f"{'-small' if a.tuning else ''}" if isinstance(a, Shape) else "")
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_matches_float64(shape, max_ctx, data):
+    kind = data.draw(st.sampled_from(KINDS))
+    check(xla_fn(shape), shape, data.draw(batches(shape, kind, max_ctx)))
+
+
+FIXED = Shape(T=16, S=4, max_blocks=4, Hkv=2, G=4, D=64, dtype="bfloat16", tuning=SMALL)
+
+
+@pytest.mark.parametrize("batch", [
+    Batch(q_lens=(1, 1, 1), ctx_lens=(0, 15, 47), seed=1),  # decode only, page edges
+    Batch(q_lens=(7, 9), ctx_lens=(0, 0), seed=2),  # prefill only
+    Batch(q_lens=(6, 1, 5), ctx_lens=(10, 33, 16), seed=3),
+    Batch(q_lens=(6, 0, 1, 5), ctx_lens=(10, 20, 33, 16), seed=4),  # a sequence with no row
+    Batch(q_lens=(16,), ctx_lens=(48,), seed=5),  # every row, to the last slot of the table
+    Batch(q_lens=(), ctx_lens=(), seed=6),  # no sequence: all padding
+], ids=["decode", "prefill", "mixed", "mixed-empty-seq", "full", "empty"])
+def test_fixed_batches(batch):
+    check(xla_fn(FIXED), FIXED, batch)
+
+
+def test_long_sequence_leaves_short_ones_alone():
+    # The same arrays twice: with num_seqs = 4 the 2000-token sequence is a padding sequence
+    # (its rows are padding rows); with num_seqs = 5 it is real and last.
+    shape = Shape(T=16, S=6, max_blocks=128, Hkv=3, G=3, D=64, dtype="float32")
+    batch = Batch(q_lens=(1, 1, 3, 1, 1), ctx_lens=(99, 16, 40, 0, 1999), seed=7)
+    inputs = make_inputs(shape, batch)
+    fn = xla_fn(shape)
+    both = run(fn, inputs)
+    short = run(fn, dict(inputs, num_seqs=np.int32(4)))
+    ref = reference_f64(**inputs, sm_scale=shape.D ** -0.5)
+    np.testing.assert_allclose(both[:6], short[:6], rtol=1e-6, atol=1e-6)
+    assert np.all(short[6:] == 0), "rows past query_start_loc[num_seqs] are padding"
+    tol = TOLERANCE["float32"]
+    np.testing.assert_allclose(both[:7], ref[:7], rtol=tol, atol=tol)
+    assert np.all(both[7:] == 0)
+
+
+def test_block_table_width_does_not_change_results():
+    narrow = Shape(T=8, S=4, max_blocks=4, Hkv=2, G=2, D=64, dtype="float32", tuning=SMALL)
+    batch = Batch(q_lens=(1, 5, 1), ctx_lens=(47, 10, 3), seed=8)
+    inputs = make_inputs(narrow, batch)
+    wide = dict(inputs, block_tables=np.pad(inputs["block_tables"], ((0, 0), (0, 124))))
+    out_narrow = run(xla_fn(narrow), inputs)
+    out_wide = run(xla_fn(dataclasses.replace(narrow, max_blocks=128)), wide)
+    np.testing.assert_array_equal(out_narrow, out_wide)
+
+
+def test_xla_backend_is_this_module():
+    assert get_attention_fn("xla") is xa.ragged_paged_attention
