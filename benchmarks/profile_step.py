@@ -124,7 +124,7 @@ def profiled_step(engine, timer: PhaseTimer):
 def runner_phases(runner, so):
     """The runner's execute_model split into (prepare, device, sample) callables; the last
     returns the ModelRunnerOutput."""
-    from jaxllm.engine.sched_output import ModelRunnerOutput
+    from jaxllm.messages import ModelRunnerOutput
     from jaxllm.models.base import AttentionMetadata
     from jaxllm.runner.input_batch import prepare_inputs, update_states
     from jaxllm.runner.sampling_metadata import SamplingRow, build_sampling_metadata

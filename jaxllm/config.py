@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.kernels import ATTENTION_BACKENDS
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -40,8 +41,28 @@ class EngineConfig:
     max_logprobs: int = 20
     gguf_file: str | None = None
     tensor_parallel_size: int = 1  # devices on one "tp" mesh axis (Megatron layout)
+    # Schedule step N+1 while step N runs (vLLM's async scheduler); same outputs either way.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer", "gguf_file", "compilation_cache_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+        for name in ("seed", "block_size", "max_logprobs", "tensor_parallel_size",
+                     "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                     "kv_cache_memory_bytes", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got "
+                                 f"{type(getattr(self, name)).__name__}")
+        if self.attention_backend is not None and \
+                self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (or None "
+                             f"for the platform's default), got {self.attention_backend!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

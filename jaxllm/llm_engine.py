@@ -1,34 +1,37 @@
-"""LLMEngine: the request life cycle. add_request, then step() = schedule, execute, update.
+"""LLMEngine: the synchronous front end. add_request, then step() = core step + outputs.
 
-Owns the wiring (model, tokenizer, KV cache size, scheduler, runner, output processor) and
-the admission checks on each request. A request that fails its checks raises ValueError
-before anything is added, so it never disturbs requests already in flight.
+Owns the wiring (model, tokenizer, KV cache size, processor, engine core, output processor)
+and the request-id bookkeeping between them. Input checks live in `engine/processor.py`,
+the step loop in `engine/core.py`, user-facing outputs in `engine/output_processor.py`. A
+request that fails its checks raises ValueError before anything is added, so it never
+disturbs requests already in flight; `add_requests` admits a whole batch or nothing.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxllm.config import EngineConfig
+from jaxllm.engine.core import EngineCore, StepFailed
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.output_processor import OutputProcessor, ParentRequest
-from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.output_processor import OutputProcessor
+from jaxllm.engine.processor import FanOut, ProcessedRequest, Processor, PromptInput
+from jaxllm.engine.request import RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.kernels import default_attention_backend
 from jaxllm.metrics import EngineMetrics
 from jaxllm.models.gguf import open_gguf
 from jaxllm.models.resolve import DEFAULT_MODEL, load_model, resolve_model
 from jaxllm.models.sharding import make_mesh, param_sharding
-from jaxllm.outputs import RequestMetrics, RequestOutput
+from jaxllm.outputs import RequestOutput
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.kv_cache import determine_num_blocks
 from jaxllm.runner.model_runner import ModelRunner
-from jaxllm.runner.sampling_metadata import request_seed
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer import get_tokenizer, tokenizer_from_gguf
 
@@ -72,116 +75,138 @@ class LLMEngine:
         else:
             self.tokenizer = get_tokenizer(resolved.path)
         del reader
-        self.eos_token_id = self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id
         gen_eos = gen.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
         # Extra EOS ids from generation_config act as stop tokens (as in vLLM).
-        self.extra_eos_ids = [t for t in gen_eos if t != self.eos_token_id]
+        extra_eos_ids = [t for t in gen_eos if t != eos]
+        self.processor = Processor(self.tokenizer, vocab_size=mcfg.vocab_size,
+                                   max_model_len=config.max_model_len,
+                                   max_logprobs=config.max_logprobs, eos_token_id=eos,
+                                   extra_eos_ids=extra_eos_ids, engine_seed=config.seed)
 
         num_blocks = determine_num_blocks(config, mcfg, dtype)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
-                                               config.max_model_len)
-        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_model_len)
+        kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.max_model_len)
+        scheduler = Scheduler(kv_cache_manager, config.max_num_seqs,
+                              config.max_num_batched_tokens, config.max_model_len)
         backend = config.attention_backend or default_attention_backend()
         max_blocks = -(-config.max_model_len // config.block_size)
+        # Every backend reads only each sequence's own pages, so one block-table width serves.
         buckets = BucketConfig.create(config.max_num_batched_tokens, config.max_num_seqs,
-                                      max_blocks, bucket_widths=backend == "xla")
-        eos_ids = tuple(t for t in [self.eos_token_id, *self.extra_eos_ids] if t is not None)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
-                                  kv_dtype=dtype, buckets=buckets, attention_backend=backend,
-                                  max_model_len=config.max_model_len, eos_token_ids=eos_ids,
-                                  mesh=mesh)
+                                      max_blocks, bucket_widths=False)
+        runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
+                             kv_dtype=dtype, buckets=buckets, attention_backend=backend,
+                             max_model_len=config.max_model_len,
+                             max_num_seqs=config.max_num_seqs,
+                             eos_token_ids=tuple(self.processor.eos_token_ids), mesh=mesh)
         del model
+        self.engine_core = EngineCore(scheduler, runner, config.async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(resolved.name)
-        self._request_counter = itertools.count()
-        self._seed_counter = itertools.count()
+        self._aborted_outputs: list[RequestOutput] = []
         self.warmup_seconds = 0.0
         if not config.enforce_eager:
             t0 = time.perf_counter()
-            self.runner.warmup(use_tqdm=use_tqdm)
+            runner.warmup(use_tqdm=use_tqdm)
             self.warmup_seconds = time.perf_counter() - t0
+
+    # The pieces, by their vLLM names.
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine_core.scheduler
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.engine_core.runner
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.engine_core.scheduler.kv_cache_manager
 
     # ---- admission ---------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        cfg = self.config
-        if not prompt_token_ids:
-            raise ValueError("The decoder prompt cannot be empty")
-        if len(prompt_token_ids) > cfg.max_model_len:
-            raise ValueError(
-                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the "
-                f"maximum model length of {cfg.max_model_len}.")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary: prompt_token_ids must "
-                             f"be in [0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > cfg.max_logprobs:
-                raise ValueError(f"Requested {name} of {k}, which is greater than max allowed: "
-                                 f"{cfg.max_logprobs}")
-
-    def add_request(self, prompt: str | None, prompt_token_ids: list[int],
+    def add_request(self, prompt: str | None, prompt_token_ids: Sequence[int] | None,
                     params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None) -> str:
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
-        self.validate(prompt_token_ids, params)
-        request_id = request_id or str(next(self._request_counter))
-        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}"
-                                                         for i in range(params.n)]
-        # Checked before adding anything: a duplicate would replace the live request's
-        # output state.
-        if any(c in self.scheduler.requests or c in self.output_processor.children
-               for c in child_ids):
-            raise ValueError(f"request_id {request_id!r} is already in flight: request ids "
-                             "must be unique among unfinished requests")
-        now = arrival_time or time.time()
-        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.n,
-                               RequestMetrics(arrival_time=now))
-        for index, child_id in enumerate(child_ids):
-            child_params = self._child_params(params, index)
-            self.output_processor.add_request(parent, child_id, index, child_params)
-            self.scheduler.add_request(Request(child_id, prompt_token_ids, child_params,
-                                               self.eos_token_id, now))
-        return request_id
+        """Admit one request (text, token ids, or both); -> its request id."""
+        return self.add_requests([PromptInput(prompt, None if prompt_token_ids is None
+                                              else list(prompt_token_ids))], [params],
+                                 [request_id], arrival_time)[0]
 
-    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        p = params.clone()
-        # Every sequence gets a concrete seed: its own (shifted per child, so n > 1 samples
-        # differ) or one derived from the engine seed, so a whole run is reproducible.
-        if params.seed is not None:
-            p.seed = params.seed + index
-        else:
-            p.seed = request_seed(self.config.seed, next(self._seed_counter))
-        if not p.ignore_eos and self.extra_eos_ids:
-            p.stop_token_ids = list(dict.fromkeys([*p.stop_token_ids, *self.extra_eos_ids]))
-        return p
+    def add_requests(self, prompts: Sequence[PromptInput], params: Sequence[SamplingParams],
+                     request_ids: Sequence[str | None] | None = None,
+                     arrival_time: float | None = None) -> list[str]:
+        """Admit a batch, all or nothing: every prompt is tokenized and checked, and every
+        id checked for collisions, before the first one is queued."""
+        request_ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+        processed: list[ProcessedRequest] = [self.processor.process(p, sp)
+                                             for p, sp in zip(prompts, params, strict=True)]
+        self._check_ids(processed, request_ids)
+        fanned: list[FanOut] = [self.processor.fan_out(r, rid, arrival_time)
+                                for r, rid in zip(processed, request_ids)]
+        for request in fanned:
+            self.output_processor.add_request(request, request.children[0].arrival_time)
+            for child in request.children:
+                self.engine_core.add_request(child)
+        return [r.request_id for r in fanned]
+
+    def _check_ids(self, processed: list[ProcessedRequest],
+                   request_ids: list[str | None]) -> None:
+        seen: set[str] = set()
+        for request, request_id in zip(processed, request_ids):
+            if request_id is None:
+                continue
+            n = request.params.n
+            ids = [request_id] + ([] if n == 1 else [f"{i}_{request_id}" for i in range(n)])
+            for rid in ids:
+                if rid in seen or self.output_processor.is_live(rid) \
+                        or rid in self.scheduler.requests:
+                    raise ValueError(f"request_id {request_id!r} is already in flight: request "
+                                     "ids must be unique among unfinished requests")
+                seen.add(rid)
 
     def abort_request(self, request_ids) -> None:
+        """Abort requests by id (a parent id aborts all its `n` children). Their blocks are
+        freed now; their final outputs (finish_reason "abort") come out of the next step()."""
+        self._aborted_outputs += self._abort(request_ids)
+
+    def discard_requests(self, request_ids) -> None:
+        """Abort requests whose caller will never read them (no final outputs)."""
+        self._abort(request_ids)
+
+    def _abort(self, request_ids) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        for rid in ids:
-            self.output_processor.abort(rid)
+        child_ids, finished = self.output_processor.abort_requests(ids)
+        self.engine_core.abort_requests(child_ids)
+        self._record(finished)
+        return finished
 
     # ---- the loop ------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return (self.engine_core.has_unfinished_requests()
+                or bool(self._aborted_outputs))
 
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        engine_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        finished, stopped = self.output_processor.process_outputs(engine_outputs)
+        """One engine step: the requests that finished in it. If the step raises, the requests
+        it carried are finished with an error and StepFailed (listing them, with the
+        original exception as its cause) is raised; the engine keeps serving the rest."""
+        finished, self._aborted_outputs = self._aborted_outputs, []
+        try:
+            engine_outputs = self.engine_core.step()
+        except StepFailed as failure:
+            self._record(self.output_processor.process_outputs(failure.outputs)[0])
+            raise
+        done, stopped = self.output_processor.process_outputs(engine_outputs)
         if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._record(done)
+        return finished + done
+
+    def _record(self, finished: list[RequestOutput]) -> None:
         for out in finished:
             for c in out.outputs:
                 self.metrics.record_finished(c.finish_reason)
-        return finished
 
     def get_metrics(self):
         return self.metrics.snapshot(self.scheduler.make_stats())

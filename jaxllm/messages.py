@@ -1,11 +1,14 @@
-"""The plain messages between scheduler, runner and the LLM front end (one of each per step).
+"""The plain messages that the front end, the scheduler and the runner exchange.
 
-    Scheduler.schedule()            -> SchedulerOutput     -> runner
-    runner.execute_model(...)       -> ModelRunnerOutput   -> Scheduler.update_from_output
-    Scheduler.update_from_output()  -> list[EngineCoreOutput] -> LLM (detokenize, collect)
+    Processor (front end)           -> EngineCoreRequest        -> EngineCore.add_request
+    Scheduler.schedule()            -> SchedulerOutput          -> runner
+    runner.execute_model(...)       -> ModelRunnerOutput        -> Scheduler.update_from_output
+    Scheduler.update_from_output()  -> list[EngineCoreOutput]   -> OutputProcessor (front end)
 
-This file owns only frozen data: no methods that change state, no `Request` objects (the
-runner must never see one), no jax. Field meanings follow docs/contracts.md.
+This module is neutral ground: it imports none of the layers it connects (engine, runner,
+front end), so none of them imports the layer beside it. It owns only data: no methods that
+change state, no `Request` objects (the runner must never see one), no jax. Field meanings
+follow docs/contracts.md.
 
 `num_computed_tokens` in both request messages is the count *before* this step's tokens:
 the runner computes positions num_computed_tokens .. num_computed_tokens + n - 1, where
@@ -16,6 +19,31 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+
+@dataclasses.dataclass
+class LogprobsLists:
+    """Host-side logprobs of some rows of one request, trimmed to what it asked for.
+
+    Row r lists the selected token (sampled, or the actual prompt token) first, then the
+    request's top-n (ranks 1..n), as vLLM does; the selected token may also be in the top-n.
+    """
+
+    logprob_token_ids: list[list[int]]  # [rows][1 + n]
+    logprobs: list[list[float]]  # [rows][1 + n]
+    sampled_token_ranks: list[int]  # [rows], rank of the selected token
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCoreRequest:
+    """One sequence to generate, validated and tokenized by the front end (after the `n`
+    fan-out: each of a parent's children is its own EngineCoreRequest)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any  # jaxllm.sampling_params.SamplingParams, the child's own copy
+    eos_token_id: int | None
+    arrival_time: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +107,7 @@ class EngineCoreOutput:
 
     req_id: str
     new_token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while still running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None  # the stop token id that matched; None otherwise
     new_logprobs: Any | None = None  # copied through from ModelRunnerOutput.logprobs
     new_prompt_logprobs: Any | None = None  # copied through from .prompt_logprobs

@@ -61,7 +61,6 @@ class RequestMetrics:
     """Wall-clock timestamps (seconds, `time.time()`) of a request's life; None until reached."""
 
     arrival_time: float
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
 import math
 
 # Temperatures below this mean greedy decoding (vLLM's `_SAMPLING_EPS`). Unlike vLLM we do not
@@ -20,10 +19,12 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
-class SamplingType(enum.IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass
@@ -61,21 +62,7 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
-        if self.seed == -1:  # vLLM treats seed=-1 as "no seed"
-            self.seed = None
-        if self.top_k == -1:
-            self.top_k = 0
-        if self.logprobs is True:
-            self.logprobs = 1
-        if self.prompt_logprobs is True:
-            self.prompt_logprobs = 1
+        self._normalize()
         self._verify_args()
         self.verify(MAX_LOGPROBS)
         if self.temperature < SAMPLING_EPS:
@@ -87,9 +74,47 @@ class SamplingParams:
             if self.n > 1:
                 raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
+    def _normalize(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        elif self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.seed == -1:  # vLLM treats seed=-1 as "no seed"
+            self.seed = None
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+
     def _verify_args(self) -> None:
-        if not isinstance(self.n, int) or isinstance(self.n, bool):
-            raise ValueError(f"n must be an int, got {type(self.n).__name__}.")
+        """Types first (a float where an int is meant, a bool or a string where a number is
+        meant), then ranges; every message names the parameter."""
+        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an int, got "
+                                 f"{type(getattr(self, name)).__name__}.")
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ValueError(f"{name} must be an int or None, got {type(value).__name__}.")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
+            if not _is_real(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got "
+                                 f"{type(getattr(self, name)).__name__}.")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got "
+                                 f"{type(getattr(self, name)).__name__}.")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -104,13 +129,11 @@ class SamplingParams:
                              f"got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            raise ValueError(f"top_k must be an int, got {type(self.top_k).__name__}.")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 or -1 (disabled), or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int of at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}.")
@@ -121,12 +144,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {type(self.seed).__name__}.")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must contain only non-negative ints, "
                              f"got {self.stop_token_ids}.")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s
+                                                  for s in self.stop):
             raise ValueError(f"stop must contain only non-empty strings, got {self.stop}.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True.")
@@ -137,14 +160,6 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value > max_logprobs:
                 raise ValueError(f"{name} must be None or in [0, {max_logprobs}], got {value}.")
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature < SAMPLING_EPS:
-            return SamplingType.GREEDY
-        if self.seed is not None:
-            return SamplingType.RANDOM_SEED
-        return SamplingType.RANDOM
 
     @property
     def uses_penalties(self) -> bool:
@@ -161,3 +176,10 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy, so that engine-side edits never leak into the user's object."""
         return copy.deepcopy(self)
+
+    def checked_clone(self) -> SamplingParams:
+        """A deep copy, normalised and validated again: users mutate params after
+        construction (`sp.n = 0`), and a request must be admitted on what it holds now."""
+        params = self.clone()
+        params.__post_init__()
+        return params

@@ -79,11 +79,12 @@ def read_gguf_tokenizer_metadata(
     the same key renames (we import transformers' table so both stay in sync), the same default
     for old sentencepiece files, and special tokens given as strings.
     """
-    import gguf  # noqa: PLC0415  (heavy; only needed for GGUF files)
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
 
+    from jaxllm.models.gguf import open_gguf  # noqa: PLC0415  (heavy; only for GGUF files)
+
     if reader is None:
-        reader = gguf.GGUFReader(gguf_path)
+        reader = open_gguf(gguf_path)  # a corrupt file raises an error that names it
 
     def value(key: str) -> Any:
         field = reader.fields.get(key)

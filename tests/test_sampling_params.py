@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def test_defaults_and_normalisation():
@@ -12,8 +12,6 @@ def test_defaults_and_normalisation():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert p.stop == [] and p.stop_token_ids == [] and p.max_tokens == 256
-    assert p.sampling_type == SamplingType.RANDOM
-    assert SamplingParams(seed=3).sampling_type == SamplingType.RANDOM_SEED
     assert SamplingParams(seed=-1).seed is None  # vLLM: -1 means no seed
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(stop_token_ids=[5, 3, 5]).stop_token_ids == [5, 3]
@@ -23,14 +21,14 @@ def test_defaults_and_normalisation():
 
 def test_greedy_turns_truncation_off():
     p = SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2)
-    assert p.sampling_type == SamplingType.GREEDY
     assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
-    assert SamplingParams(temperature=1e-6, seed=1).sampling_type == SamplingType.GREEDY
+    q = SamplingParams(temperature=1e-6, top_k=3, seed=1)
+    assert (q.top_k, q.seed) == (0, 1)
 
 
 def test_small_positive_temperature_is_kept():
-    p = SamplingParams(temperature=1e-3)
-    assert p.temperature == 1e-3 and p.sampling_type == SamplingType.RANDOM
+    p = SamplingParams(temperature=1e-3, top_k=3)
+    assert (p.temperature, p.top_k) == (1e-3, 3)
 
 
 def test_clone_is_deep():
@@ -76,6 +74,28 @@ def test_uses_penalties_and_buffer_length():
     (dict(stop_token_ids=[1, -3]),
      "stop_token_ids must contain only non-negative ints, got [1, -3]."),
     (dict(stop="x", detokenize=False), "stop strings need detokenize=True."),
+    # Types: a float, bool or string where an int is meant, and the reverse.
+    (dict(logprobs=2.5), "logprobs must be an int or None, got float."),
+    (dict(prompt_logprobs=2.5), "prompt_logprobs must be an int or None, got float."),
+    (dict(prompt_logprobs="3"), "prompt_logprobs must be an int or None, got str."),
+    (dict(n=2.0), "n must be an int, got float."),
+    (dict(n=True), "n must be an int, got bool."),
+    (dict(max_tokens=16.0), "max_tokens must be an int, got float."),
+    (dict(min_tokens=None), "min_tokens must be an int, got NoneType."),
+    (dict(seed=1.5), "seed must be an int or None, got float."),
+    (dict(seed=True), "seed must be an int or None, got bool."),
+    (dict(temperature="0.7"), "temperature must be a number, got str."),
+    (dict(top_p=None), "top_p must be a number, got NoneType."),
+    (dict(presence_penalty=True), "presence_penalty must be a number, got bool."),
+    (dict(min_p=float("nan")), "min_p must be in [0, 1], got nan."),
+    (dict(ignore_eos=1), "ignore_eos must be a bool, got int."),
+    (dict(detokenize="yes"), "detokenize must be a bool, got str."),
+    (dict(stop_token_ids=[1, 2.0]),
+     "stop_token_ids must contain only non-negative ints, got [1, 2.0]."),
+    (dict(stop_token_ids=[True]), "stop_token_ids must contain only non-negative ints, got [True]."),
+    (dict(stop_token_ids="7"), "stop_token_ids must contain only non-negative ints, got 7."),
+    (dict(stop=[3]), "stop must contain only non-empty strings, got [3]."),
+    (dict(stop=5), "stop must contain only non-empty strings, got 5."),
 ])
 def test_validation_names_parameter_and_range(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -90,3 +110,16 @@ def test_verify_against_engine_cap():
     with pytest.raises(ValueError, match=re.escape(
             "prompt_logprobs must be None or in [0, 2], got 3.")):
         SamplingParams(prompt_logprobs=3).verify(2)
+
+
+def test_checked_clone_revalidates_mutated_params():
+    p = SamplingParams(temperature=0.5, n=2)
+    p.n = 0
+    with pytest.raises(ValueError, match=re.escape("n must be at least 1, got 0.")):
+        p.checked_clone()
+    p.n, p.logprobs = 2, True  # normalised in the copy, as at construction
+    q = p.checked_clone()
+    assert q.logprobs == 1 and p.logprobs is True
+    p.temperature = 0.0  # greedy with n=2 is refused whenever it is checked
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling"):
+        p.checked_clone()

@@ -1,29 +1,15 @@
 """Per-request logprobs bookkeeping: the runner's `LogprobsLists` -> user-facing `Logprob` dicts.
 
-Owns `LogprobsLists` (what the runner hands the engine, built by
-`jaxllm.runner.sampler.logprobs_lists`), and the cumulative logprob, sample logprobs and prompt
-logprobs of one request. Pure Python like the rest of jaxllm/engine: never imports jax.
+Owns the cumulative logprob, sample logprobs and prompt logprobs of one request, built from
+the runner's `LogprobsLists` (jaxllm/messages.py). Pure Python like the rest of jaxllm/engine:
+never imports jax.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
+from jaxllm.messages import LogprobsLists
 from jaxllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from jaxllm.sampling_params import SamplingParams
-
-
-@dataclasses.dataclass
-class LogprobsLists:
-    """Host-side logprobs of some rows of one request, trimmed to what it asked for.
-
-    Row r lists the selected token (sampled, or the actual prompt token) first, then the
-    request's top-n (ranks 1..n), as vLLM does; the selected token may also be in the top-n.
-    """
-
-    logprob_token_ids: list[list[int]]  # [rows][1 + n]
-    logprobs: list[list[float]]  # [rows][1 + n]
-    sampled_token_ranks: list[int]  # [rows], rank of the selected token
 
 
 def decode_tokens(tokenizer, token_ids: list[int]) -> list[str]:

@@ -2,7 +2,8 @@
 
 Owns, per request, everything the user sees (text, token ids, logprobs, finish reason) and
 the fan-in of `n` child requests into one RequestOutput. Never schedules: when a stop string
-ends a request, it reports the id back so the engine finishes it in the scheduler.
+ends a request, it reports the id back so the engine finishes it in the scheduler; an abort
+names the child ids the engine core must drop.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import time
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.logprobs import LogprobsProcessor
-from jaxllm.engine.sched_output import EngineCoreOutput
+from jaxllm.engine.processor import FanOut
+from jaxllm.messages import EngineCoreOutput
 from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass
 class ParentRequest:
-    """The user's request; `n` children (ids `"{index}_{request_id}"`) sample for it."""
+    """Output state of the user's request; `n` children (ids `"{index}_{request_id}"`)
+    sample for it."""
 
     request_id: str
     prompt: str | None
@@ -44,18 +47,44 @@ class ChildState:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, ChildState] = {}
 
-    def add_request(self, parent: ParentRequest, child_id: str, index: int,
-                    params: SamplingParams) -> None:
-        tok = self.tokenizer if params.detokenize else None
-        self.children[child_id] = ChildState(
-            parent, index, params,
-            IncrementalDetokenizer(tok, params, parent.prompt_token_ids),
-            LogprobsProcessor(params, tok))
+    def add_request(self, request: FanOut, arrival_time: float) -> None:
+        parent = ParentRequest(request.request_id, request.prompt, request.prompt_token_ids,
+                               len(request.children), RequestMetrics(arrival_time=arrival_time))
+        self.parents[request.request_id] = parent
+        for index, child in enumerate(request.children):
+            params = child.sampling_params
+            tok = self.tokenizer if params.detokenize else None
+            self.children[child.request_id] = ChildState(
+                parent, index, params,
+                IncrementalDetokenizer(tok, params, parent.prompt_token_ids),
+                LogprobsProcessor(params, tok))
 
-    def abort(self, child_id: str) -> None:
-        self.children.pop(child_id, None)
+    def is_live(self, request_id: str) -> bool:
+        """Is this id (a parent's or a child's) still producing output?"""
+        return request_id in self.parents or request_id in self.children
+
+    def abort_requests(self, request_ids) -> tuple[list[str], list[RequestOutput]]:
+        """Abort parents (all their children) or single children, by id. -> (the child ids the
+        engine core must drop, one final RequestOutput per affected parent, its unfinished
+        completions marked finish_reason "abort"). Unknown ids are ignored."""
+        child_ids, finished, now = [], [], time.time()
+        for request_id in request_ids:
+            parent = self.parents.get(request_id)
+            if parent is None and request_id in self.children:
+                parent = self.children[request_id].parent
+            if parent is None:
+                continue
+            targets = [cid for cid, c in self.children.items() if c.parent is parent
+                       and (request_id == parent.request_id or cid == request_id)]
+            for child_id in targets:
+                self._finish_child(self.children.pop(child_id), "abort", None)
+                child_ids.append(child_id)
+            if len(parent.completions) == parent.n:
+                finished.append(self._close(parent, now))
+        return child_ids, finished
 
     def has_unfinished(self) -> bool:
         return bool(self.children)
@@ -92,9 +121,13 @@ class OutputProcessor:
                 self._finish_child(child, finish_reason, stop_reason)
                 del self.children[out.req_id]
                 if len(parent.completions) == parent.n:
-                    parent.metrics.finished_time = now
-                    finished.append(self._make_output(parent))
+                    finished.append(self._close(parent, now))
         return finished, stopped_by_string
+
+    def _close(self, parent: ParentRequest, now: float) -> RequestOutput:
+        parent.metrics.finished_time = now
+        del self.parents[parent.request_id]
+        return self._make_output(parent)
 
     def _add_prompt_logprobs(self, child: ChildState, first_position: int, lists) -> None:
         # Chunks can repeat after a preemption (the prompt is recomputed): keep the first.

@@ -2,11 +2,11 @@
 
 This file owns a request's token list (which only grows through `append_output_token_ids`),
 its lifecycle status, and the stopping rules. It never touches blocks or devices, and the
-runner never sees a `Request`: it only gets the plain messages of `sched_output.py`.
+runner never sees a `Request`: it only gets the plain messages of `jaxllm/messages.py`.
 
 Token ranges of a request in the middle of a chunked prefill (prompt of 10, 6 computed):
 
-    all_token_ids:  p0 p1 p2 p3 p4 p5 | p6 p7 p8 p9
+    token ids:      p0 p1 p2 p3 p4 p5 | p6 p7 p8 p9
                     <-- computed ---> | <-- still to compute -->
     num_computed_tokens = 6, num_tokens = 10, num_output_tokens = 0
 
@@ -14,13 +14,20 @@ and while decoding (one sampled token whose K/V is not in the cache yet):
 
     p0 ... p9 o0 o1 | o2
     num_computed_tokens = 12, num_tokens = 13, num_output_tokens = 3
+
+With async scheduling a step is scheduled before the previous step's sampled token reaches
+the host. That token is a placeholder: counted, scheduled (the runner takes its id from the
+device), but not yet in the token list:
+
+    p0 ... p9 o0 o1 o2 | [o3]       num_computed_tokens = 13, num_tokens = 13,
+                                    num_output_placeholders = 1, num_tokens_with_placeholders = 14
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
-from typing import Protocol, overload
+from collections.abc import Sequence
+from typing import Protocol
 
 
 class RequestStatus(enum.IntEnum):
@@ -32,6 +39,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # the step that computed it raised
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -47,6 +55,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -57,37 +66,6 @@ class SamplingParamsLike(Protocol):
     min_tokens: int
     ignore_eos: bool
     stop_token_ids: list[int] | None
-
-
-class ReadOnlyTokens(Sequence[int]):
-    """An O(1) read-only view of a growing token list, so callers cannot append behind the
-    request's back."""
-
-    __slots__ = ("_tokens",)
-
-    def __init__(self, tokens: list[int]) -> None:
-        self._tokens = tokens
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index):
-        return self._tokens[index]
-
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._tokens)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence) or isinstance(other, str):
-            return NotImplemented
-        return self._tokens == list(other)
-
-    def __repr__(self) -> str:
-        return repr(self._tokens)
 
 
 class Request:
@@ -111,6 +89,12 @@ class Request:
         self.stop_reason: int | str | None = None
         # Tokens whose K/V is in the cache (or scheduled to be, this step).
         self.num_computed_tokens = 0
+        # Tokens sampled by a dispatched step that the host has not received yet (async
+        # scheduling); update_from_output turns each into a real token.
+        self.num_output_placeholders = 0
+        # After a preemption in async mode, this many in-flight tokens are stale: they are
+        # dropped when they arrive and re-sampled after the recompute.
+        self.num_stale_outputs = 0
         self.num_preemptions = 0
         self._num_prompt_tokens = len(prompt_token_ids)
         self._all_token_ids: list[int] = list(prompt_token_ids)
@@ -124,10 +108,6 @@ class Request:
 
     # -- derived views -----------------------------------------------------------------
     @property
-    def all_token_ids(self) -> ReadOnlyTokens:
-        return ReadOnlyTokens(self._all_token_ids)
-
-    @property
     def prompt_token_ids(self) -> list[int]:
         return self._all_token_ids[: self._num_prompt_tokens]
 
@@ -138,6 +118,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens the scheduler plans with: known ones plus those still in flight."""
+        return len(self._all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,7 +17,12 @@ There are no prefill and decode phases. Every step has one budget of
      chunk (chunked prefill) and finishes it in later steps as a running request.
 
 `num_computed_tokens` advances as soon as tokens are scheduled, so a step's outputs only add
-sampled tokens; a request whose chunk ended mid-prompt gets none.
+sampled tokens; a request whose chunk ended mid-prompt gets none. A step that will sample for
+a request also gives it an output placeholder, turned into the real token by
+`update_from_output`. In the synchronous loop that happens before the next schedule(); with
+async scheduling the next step is scheduled first, and its placeholder row is fed on the
+device from the previous step's sample. A request whose placeholders already reach its
+max_tokens or max_model_len is not scheduled again: its last token is in flight.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Iterable
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.metrics import SchedulerStats
 from jaxllm.engine.request import Request, RequestStatus, check_stop
-from jaxllm.engine.sched_output import (
+from jaxllm.messages import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -44,16 +49,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        long_prefill_token_threshold: int = 0,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0 (0 disables it), got "
-                             f"{long_prefill_token_threshold}")
         if max_model_len > kv_cache_manager.max_model_len:
             raise ValueError(f"max_model_len={max_model_len} exceeds the KV cache manager's "
                              f"max_model_len={kv_cache_manager.max_model_len}")
@@ -61,13 +62,14 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.long_prefill_token_threshold = long_prefill_token_threshold
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, front goes first
         self.running: list[Request] = []  # RUNNING, oldest first; preemption pops the tail
         # Finished since the last schedule(): the next SchedulerOutput tells the runner.
         self.finished_req_ids: set[str] = set()
+        # Preempted outside schedule() (preempt_all): the next SchedulerOutput tells the runner.
+        self._preempted_req_ids: set[str] = set()
 
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -104,6 +106,26 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = finished_status
             self._free_request(request)
+
+    def fail_requests(self, req_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Finish requests whose step raised (FINISHED_ERROR), free their blocks, and return
+        their final outputs. Ids that already finished are skipped."""
+        outputs = []
+        for req_id in req_ids:
+            if req_id not in self.requests:
+                continue
+            self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(req_id=req_id, new_token_ids=[],
+                                            finish_reason="error", stop_reason=None))
+        return outputs
+
+    def preempt_all(self) -> None:
+        """Send every running request back to waiting to recompute (after the device lost its
+        KV cache), tail first so the oldest resumes first."""
+        while self.running:
+            request = self.running.pop()
+            self._preempt(request)
+            self._preempted_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -162,12 +184,17 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in preempted} | self._preempted_req_ids,
         )
+        self._preempted_req_ids = set()
         # Advance now, as if the step already ran: the next schedule() must not hand out the
-        # same positions again, even before update_from_output.
+        # same positions again, even before update_from_output. A request whose known (and
+        # in-flight) tokens are now all computed samples in this step: one more placeholder.
         for req_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1
         self.finished_req_ids = set()
         self._check_invariants(output)
         return output
@@ -186,8 +213,14 @@ class Scheduler:
                 raise ValueError(f"the runner output has no entry for scheduled request {req_id!r}")
             i = index[req_id]
             sampled = model_runner_output.sampled_token_ids[i]
-            assert not sampled or request.num_computed_tokens == request.num_tokens, (
+            if sampled and request.num_stale_outputs:
+                # Sampled before this request was preempted; it will be sampled again.
+                request.num_stale_outputs -= 1
+                continue
+            assert not sampled or request.num_output_placeholders, (
                 f"{request}: tokens sampled before its prefill completed")
+            # One placeholder per sampling step, however many tokens that step produced.
+            request.num_output_placeholders -= 1 if sampled else 0
             new_token_ids = self._append_until_stop(request, sampled)
             prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
             if request.is_finished():
@@ -219,10 +252,13 @@ class Scheduler:
 
     # -- helpers ------------------------------------------------------------------------
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - request.num_computed_tokens
-        if 0 < self.long_prefill_token_threshold < num_new_tokens:
-            num_new_tokens = self.long_prefill_token_threshold
-        return min(num_new_tokens, token_budget,
+        num_tokens = request.num_tokens_with_placeholders
+        if request.num_output_placeholders and (
+                num_tokens >= self.max_model_len
+                or request.num_output_tokens + request.num_output_placeholders
+                >= request.max_tokens):
+            return 0  # the token in flight is its last
+        return min(num_tokens - request.num_computed_tokens, token_budget,
                    self.max_model_len - request.num_computed_tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
@@ -245,6 +281,10 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Tokens still in flight were computed on the K/V just dropped: discard them on
+        # arrival; the recompute samples those positions again (same seed and step).
+        request.num_stale_outputs += request.num_output_placeholders
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -287,6 +327,7 @@ class Scheduler:
         for req_id, num_tokens in scheduled.items():
             request = self.requests[req_id]
             assert num_tokens > 0 and request.status == RequestStatus.RUNNING, request
-            assert request.num_computed_tokens <= min(request.num_tokens, self.max_model_len)
+            assert request.num_computed_tokens <= min(request.num_tokens_with_placeholders,
+                                                      self.max_model_len), request
             num_blocks = len(self.kv_cache_manager.req_to_blocks[req_id])
             assert num_blocks * block_size >= request.num_computed_tokens, (request, num_blocks)

@@ -1,8 +1,10 @@
-"""Host side of the runner: per-request state and the padded numpy arrays for one step.
+"""The persistent input batch: slot-indexed host arrays of every request the runner holds.
 
-Owns: `CachedRequestState` (the runner's own copy of each live request, built only from
-`SchedulerOutput` messages) and `prepare_inputs`, which packs one step. Never touches a
-scheduler `Request`, never calls jax.
+Owns the runner's copy of each live request, built only from `SchedulerOutput` messages:
+its tokens, counters, block table and sampling parameters, one row per slot. Rows change
+only when a request joins (a slot is filled), leaves (the slot is freed) or grows (new block
+ids, new tokens); packing a step is then a few vectorised numpy gathers, with no loop over
+tokens or vocabulary. Never touches a scheduler `Request`, never calls jax.
 
 Packing of one step (T = 16 bucket, S = 4 bucket, block_size 4):
 
@@ -10,110 +12,233 @@ Packing of one step (T = 16 bucket, S = 4 bucket, block_size 4):
     A         0         5           0..4     positions 0..4   (prefill chunk)
     B         7         1           5        position 7       (decode)
     C         4         3           6..8     positions 4..6   (chunk over a cached prefix)
-    padding                         9..15    slot_mapping -> null block 0
+    padding                         9..15    slot_mapping -> slots 0..3 of null block 0
 
     query_start_loc = [0, 5, 6, 9, 9]    seq_lens = [5, 8, 7, 0]    num_seqs = 3
     logits_indices  = [4, 5, 8, 0]       (last row of each sequence; padding reads row 0)
+
+Counters per slot (async scheduling keeps one step in flight):
+
+    num_tokens_known  tokens whose ids the host has (prompt, and outputs already fetched)
+    num_tokens        known + sampled by dispatched steps (their ids are on the device)
+    a row at a position >= num_tokens_known takes its id from the device (from_device_T).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
-from jaxllm.engine.sched_output import SchedulerOutput
+from jaxllm.messages import NewRequestData, SchedulerOutput
 from jaxllm.runner.buckets import BucketConfig
-
-
-@dataclasses.dataclass
-class CachedRequestState:
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: Any
-    block_ids: list[int]
-    num_computed_tokens: int
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_slice(self, start: int, stop: int) -> list[int]:
-        P = len(self.prompt_token_ids)
-        return (self.prompt_token_ids[start:stop]
-                + self.output_token_ids[max(start - P, 0):max(stop - P, 0)])
+from jaxllm.runner.sampling_metadata import SamplingMetadata, SamplingSlots
 
 
 @dataclasses.dataclass(frozen=True)
-class StepInputs:
-    """Host numpy arrays for one step, already padded to (T, S, W)."""
+class HostStep:
+    """Host numpy arrays for one step, padded to (T, S, W), plus what fetching needs."""
 
-    input_ids: np.ndarray        # [T] int32
+    input_ids: np.ndarray        # [T] int32 (0 where from_device)
     positions: np.ndarray        # [T] int32
     slot_mapping: np.ndarray     # [T] int32
     block_tables: np.ndarray     # [S, W] int32
     seq_lens: np.ndarray         # [S] int32
     query_start_loc: np.ndarray  # [S + 1] int32
     num_seqs: np.ndarray         # [] int32
-    logits_indices: np.ndarray   # [S] int32, last packed row of each sequence
+    slot_T: np.ndarray           # [T] int32, R for padding rows
+    from_device_T: np.ndarray    # [T] bool
+    logits_indices: np.ndarray   # [S] int32
+    slot_S: np.ndarray           # [S] int32, R for padding sequences
+    samples_S: np.ndarray        # [S] bool
+    prompt_targets_T: np.ndarray  # [T] int32
+    wants_prompt_logprobs_T: np.ndarray  # [T] bool
+    sampling: SamplingMetadata
     req_ids: list[str]           # the real sequences, in row order
-    samples: list[bool]          # per real sequence: does this step end its known tokens?
+    generations: np.ndarray      # [num_seqs] int64, slot occupancy id when packed
+    # req_id -> (first row, end row, first prompt position scored, top-k asked) of its
+    # prompt logprobs
+    prompt_logprob_spans: dict[str, tuple[int, int, int, int]]
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return (self.input_ids.shape[0], self.seq_lens.shape[0], self.block_tables.shape[1])
 
 
-def update_states(states: dict[str, CachedRequestState], so: SchedulerOutput) -> None:
-    """Apply one SchedulerOutput's diffs to the runner's request states."""
-    for req_id in so.finished_req_ids | so.preempted_req_ids:
-        states.pop(req_id, None)
-    for new in so.scheduled_new_reqs:
-        states[new.req_id] = CachedRequestState(
-            new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
-            new.sampling_params, list(new.block_ids), new.num_computed_tokens)
-    for cached in so.scheduled_cached_reqs:
-        st = states[cached.req_id]
-        st.block_ids.extend(cached.new_block_ids)
-        st.num_computed_tokens = cached.num_computed_tokens
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 block_size: int, eos_token_ids: Sequence[int]):
+        R = max_num_reqs
+        self.max_num_reqs = R
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.req_ids: list[str | None] = [None] * R
+        self.req_id_to_slot: dict[str, int] = {}
+        self._free_slots = list(range(R - 1, -1, -1))  # pop() hands out the lowest slot
+        self._next_generation = 0
+        self.generation = np.full(R, -1, np.int64)  # which occupancy of the slot this is
+        self.token_ids = np.zeros((R, max_model_len), np.int32)
+        self.num_prompt_tokens = np.zeros(R, np.int32)
+        self.num_tokens_known = np.zeros(R, np.int32)
+        self.num_tokens = np.zeros(R, np.int32)
+        self.num_computed_tokens = np.zeros(R, np.int32)
+        self.block_table = np.zeros((R, max_blocks_per_req), np.int32)
+        self.num_blocks = np.zeros(R, np.int32)
+        self.num_prompt_logprobs = np.full(R, -1, np.int32)
+        self.sampling = SamplingSlots(R)
 
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_slot)
 
-def prepare_inputs(states: dict[str, CachedRequestState], so: SchedulerOutput,
-                   buckets: BucketConfig, block_size: int) -> StepInputs:
-    req_ids = [r.req_id for r in so.scheduled_new_reqs] + \
-              [r.req_id for r in so.scheduled_cached_reqs]
-    num_tokens = so.total_num_scheduled_tokens
-    max_blocks = max(len(states[r].block_ids) for r in req_ids)
-    T, S, W = buckets.pad(num_tokens, len(req_ids), max_blocks)
+    # ---- rows join and leave -----------------------------------------------------------
 
-    input_ids = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    # Padding rows write their (garbage) K/V into the null block 0, which nobody reads.
-    slot_mapping = np.zeros(T, np.int32)
-    block_tables = np.zeros((S, W), np.int32)
-    seq_lens = np.zeros(S, np.int32)
-    query_start_loc = np.zeros(S + 1, np.int32)
-    logits_indices = np.zeros(S, np.int32)
-    samples = []
-    row = 0
-    for i, req_id in enumerate(req_ids):
-        st = states[req_id]
-        n = so.num_scheduled_tokens[req_id]
-        start = st.num_computed_tokens
-        pos = np.arange(start, start + n, dtype=np.int32)
-        blocks = np.asarray(st.block_ids, np.int32)
-        input_ids[row:row + n] = st.token_slice(start, start + n)
-        positions[row:row + n] = pos
-        slot_mapping[row:row + n] = blocks[pos // block_size] * block_size + pos % block_size
-        block_tables[i, :len(blocks)] = blocks
-        seq_lens[i] = start + n
-        row += n
-        query_start_loc[i + 1] = row
-        logits_indices[i] = row - 1
-        samples.append(start + n >= st.num_tokens)
-    query_start_loc[len(req_ids) + 1:] = row
-    return StepInputs(input_ids, positions, slot_mapping, block_tables, seq_lens,
-                      query_start_loc, np.asarray(len(req_ids), np.int32), logits_indices,
-                      req_ids, samples)
+    def add_request(self, new: NewRequestData) -> int:
+        if new.req_id in self.req_id_to_slot:
+            raise ValueError(f"request {new.req_id!r} is already in the input batch")
+        slot = self._free_slots.pop()
+        tokens = [*new.prompt_token_ids, *new.output_token_ids]
+        self.req_ids[slot] = new.req_id
+        self.req_id_to_slot[new.req_id] = slot
+        self.generation[slot] = self._next_generation
+        self._next_generation += 1
+        self.token_ids[slot, :len(tokens)] = tokens
+        self.num_prompt_tokens[slot] = len(new.prompt_token_ids)
+        self.num_tokens_known[slot] = self.num_tokens[slot] = len(tokens)
+        self.num_computed_tokens[slot] = new.num_computed_tokens
+        self.num_blocks[slot] = 0
+        self._append_blocks(slot, new.block_ids)
+        p = new.sampling_params
+        self.num_prompt_logprobs[slot] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.sampling.add(slot, p, p.seed, self.eos_token_ids)
+        return slot
+
+    def remove_request(self, req_id: str) -> None:
+        slot = self.req_id_to_slot.pop(req_id, None)
+        if slot is None:
+            return
+        self.req_ids[slot] = None
+        self.generation[slot] = -1
+        self._free_slots.append(slot)
+        self._free_slots.sort(reverse=True)
+
+    def _append_blocks(self, slot: int, block_ids: Sequence[int]) -> None:
+        n = int(self.num_blocks[slot])
+        self.block_table[slot, n:n + len(block_ids)] = block_ids
+        self.num_blocks[slot] = n + len(block_ids)
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply one SchedulerOutput's joins, leaves and diffs."""
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            self.add_request(new)
+        for cached in so.scheduled_cached_reqs:
+            slot = self.req_id_to_slot[cached.req_id]
+            self._append_blocks(slot, cached.new_block_ids)
+            self.num_computed_tokens[slot] = cached.num_computed_tokens
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def prepare(self, so: SchedulerOutput, buckets: BucketConfig) -> HostStep:
+        """Pack the scheduled rows (after `update_states`) and advance the counters: computed
+        tokens by what is scheduled, and num_tokens by one for each sequence that samples."""
+        req_ids = [r.req_id for r in so.scheduled_new_reqs] + \
+                  [r.req_id for r in so.scheduled_cached_reqs]
+        n = len(req_ids)
+        slots = np.fromiter((self.req_id_to_slot[r] for r in req_ids), np.int64, n)
+        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int32, n)
+        total = int(num_sched.sum())
+        T, S, W = buckets.pad(total, n, int(self.num_blocks[slots].max()))
+        R, bs = self.max_num_reqs, self.block_size
+
+        start = self.num_computed_tokens[slots]
+        ends = np.cumsum(num_sched, dtype=np.int32)
+        row_seq = np.repeat(np.arange(n), num_sched)  # [total] sequence of each row
+        pos = (start[row_seq] + np.arange(total, dtype=np.int32)
+               - (ends - num_sched)[row_seq]).astype(np.int32)
+        row_slot = slots[row_seq]
+        from_device = pos >= self.num_tokens_known[row_slot]
+        ids = np.where(from_device, 0, self.token_ids[row_slot, np.minimum(
+            pos, self.max_model_len - 1)])
+
+        input_ids = np.zeros(T, np.int32)
+        input_ids[:total] = ids
+        positions = np.zeros(T, np.int32)
+        positions[:total] = pos
+        # Padding rows write their (garbage) K/V into the null block 0, which nobody reads.
+        slot_mapping = np.arange(T, dtype=np.int32) % bs
+        slot_mapping[:total] = self.block_table[row_slot, pos // bs] * bs + pos % bs
+        slot_T = np.full(T, R, np.int32)
+        slot_T[:total] = row_slot
+        from_device_T = np.zeros(T, bool)
+        from_device_T[:total] = from_device
+        block_tables = np.zeros((S, W), np.int32)
+        block_tables[:n] = self.block_table[slots, :W]
+        seq_lens_real = start + num_sched
+        seq_lens = np.zeros(S, np.int32)
+        seq_lens[:n] = seq_lens_real
+        query_start_loc = np.full(S + 1, total, np.int32)
+        query_start_loc[0] = 0
+        query_start_loc[1:n + 1] = ends
+        logits_indices = np.zeros(S, np.int32)
+        logits_indices[:n] = ends - 1
+        slot_S = np.full(S, R, np.int32)
+        slot_S[:n] = slots
+        samples = seq_lens_real >= self.num_tokens[slots]
+        samples_S = np.zeros(S, bool)
+        samples_S[:n] = samples
+
+        prompt_lens = self.num_prompt_tokens[slots]
+        num_output = np.maximum(seq_lens_real - prompt_lens, 0).astype(np.int32)
+        sampling = self.sampling.gather(slots, num_output, prompt_lens, S)
+        targets, wants, spans = self._prompt_logprob_targets(
+            T, req_ids, slots, start, num_sched, ends)
+
+        self.num_computed_tokens[slots] = seq_lens_real
+        self.num_tokens[slots[samples]] += 1
+        return HostStep(input_ids, positions, slot_mapping, block_tables, seq_lens,
+                        query_start_loc, np.asarray(n, np.int32), slot_T, from_device_T,
+                        logits_indices, slot_S, samples_S, targets, wants, sampling, req_ids,
+                        self.generation[slots].copy(), spans)
+
+    def _prompt_logprob_targets(self, T, req_ids, slots, start, num_sched, ends):
+        """Row p of a request scores prompt token p + 1, so a chunk at positions start..stop-1
+        yields prompt logprobs for tokens start+1..stop (the last prompt token has no row:
+        the position after it predicts the first output)."""
+        targets = np.zeros(T, np.int32)
+        wants = np.zeros(T, bool)
+        spans = {}
+        for i in np.flatnonzero(self.num_prompt_logprobs[slots] >= 0):
+            slot, first = slots[i], int(start[i])
+            prompt_len = int(self.num_prompt_tokens[slot])
+            stop = min(first + int(num_sched[i]), prompt_len - 1)
+            if stop <= first:
+                continue
+            lo = int(ends[i] - num_sched[i])
+            targets[lo:lo + stop - first] = self.token_ids[slot, first + 1:stop + 1]
+            wants[lo:lo + stop - first] = True
+            spans[req_ids[i]] = (lo, lo + stop - first, first + 1,
+                                 int(self.num_prompt_logprobs[slot]))
+        return targets, wants, spans
+
+    def record_sampled(self, step: HostStep, sampled_S: np.ndarray) -> list[list[int]]:
+        """Write a fetched step's sampled tokens into the rows that still hold the same
+        requests; -> the sampled ids per real sequence ([] where it did not sample)."""
+        out = []
+        for i, req_id in enumerate(step.req_ids):
+            if not step.samples_S[i]:
+                out.append([])
+                continue
+            token = int(sampled_S[i])
+            out.append([token])
+            slot = step.slot_S[i]
+            if self.generation[slot] != step.generations[i]:
+                continue  # the request left (finished, preempted) after this step was sent
+            known = self.num_tokens_known[slot]
+            if known < self.max_model_len:
+                self.token_ids[slot, known] = token
+            self.num_tokens_known[slot] = known + 1
+        return out

@@ -1,88 +1,107 @@
 """The runner: SchedulerOutput in, ModelRunnerOutput out, one jitted step in between.
 
-Owns the device state (parameters split once, the KV cache, donated on every step), the
-compiled executables per bucket, and the per-request host state it rebuilt from scheduler
-messages. Never sees a scheduler `Request`.
+Owns the device state (parameters split once, the KV cache and the token history, both
+donated on every step), the compiled executables per bucket, and the persistent input batch
+it keeps from scheduler messages. Never sees a scheduler `Request`.
+
+A step is two halves so that the engine can overlap them (async scheduling):
+
+    dispatch(so) -> PendingStep     host packing + one device dispatch; returns at once
+    fetch(pending) -> ModelRunnerOutput   waits for that step's tokens and logprobs
+
+`execute_model(so)` is the synchronous composition of the two.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from jaxllm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from jaxllm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from jaxllm.models.base import AttentionMetadata
 from jaxllm.models.llama import init_kv_caches
 from jaxllm.models.sharding import kv_cache_sharding
 from jaxllm.runner.buckets import BucketConfig
-from jaxllm.runner.input_batch import (CachedRequestState, StepInputs, prepare_inputs,
-                                       update_states)
-from jaxllm.runner.sampler import logprobs_lists, prompt_logprobs_jit, sample_jit
-from jaxllm.runner.sampling_metadata import (SamplingRow, build_sampling_metadata,
-                                             dummy_sampling_metadata, sampler_variants)
-from jaxllm.runner.step import (CompiledFunctions, abstract_metadata, make_prompt_logits_fn,
+from jaxllm.runner.input_batch import HostStep, InputBatch
+from jaxllm.runner.sampler import logprobs_lists
+from jaxllm.runner.step import (BatchMetadata, CompiledFunctions, StepOutput, abstract_inputs,
                                 make_step_fn)
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched step: its host packing and its (possibly still running) device outputs."""
+
+    host: HostStep
+    out: StepOutput
 
 
 class ModelRunner:
     def __init__(self, model, *, num_blocks: int, block_size: int, kv_dtype, buckets: BucketConfig,
-                 attention_backend: str, max_model_len: int, eos_token_ids: tuple[int, ...],
-                 mesh=None):
+                 attention_backend: str, max_model_len: int, max_num_seqs: int,
+                 eos_token_ids: tuple[int, ...], mesh=None):
         cfg = model.config
+        self.model_config = cfg
+        self.num_blocks = num_blocks
+        self.kv_dtype = kv_dtype
+        self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.buckets = buckets
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.attention_backend = attention_backend
         self.graphdef, self.state = nnx.split(model)
         # Tensor parallelism: caches split over KV heads when they divide evenly; host inputs
         # and every output the host reads are replicated over the mesh.
         rep = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
-        kv_sharding = (kv_cache_sharding(mesh) if mesh is not None
-                       and cfg.num_key_value_heads % mesh.size == 0 else rep)
-        self.kv_caches = init_kv_caches(cfg, num_blocks, block_size, kv_dtype, kv_sharding)
-        self.requests: dict[str, CachedRequestState] = {}
-
-        V = cfg.vocab_size
-        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32, sharding=rep)  # noqa
+        self.replicated = rep
+        self.kv_sharding = (kv_cache_sharding(mesh) if mesh is not None
+                            and cfg.num_key_value_heads % mesh.size == 0 else rep)
+        self.reset_device_state()
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, buckets.width_buckets[-1],
+                                      block_size, eos_token_ids)
         self.step_fns = CompiledFunctions(
             make_step_fn(self.graphdef, attention_backend, rep),
-            lambda T, S, W: (self.state, self.kv_caches, *abstract_metadata(T, S, W, rep)))
-        self.sample_fns = CompiledFunctions(
-            sample_jit,
-            lambda S, variant: (f32(S, V), dummy_sampling_metadata(
-                S, variant, max_model_len=max_model_len)))
-        self.prompt_logits_fns = CompiledFunctions(
-            make_prompt_logits_fn(self.graphdef),
-            lambda T: (self.state, jax.ShapeDtypeStruct((T, cfg.hidden_size), self._hidden_dtype(),
-                                                        sharding=rep)))
-        self.prompt_logprobs_fns = CompiledFunctions(
-            prompt_logprobs_jit,
-            lambda T: (f32(T, V), jax.ShapeDtypeStruct((T,), np.int32, sharding=rep)))
+            lambda T, W: (self.state, self.kv_caches, self.token_ids,
+                          *abstract_inputs(T, buckets.seqs_for(T), W, rep)))
 
-    def _hidden_dtype(self):
-        return jax.tree.leaves(self.state)[0].dtype
+    def reset_device_state(self) -> None:
+        """Fresh (zero) KV cache and token history: at start-up, and after a failed step
+        consumed the donated ones (every request then recomputes)."""
+        self.kv_caches = init_kv_caches(self.model_config, self.num_blocks, self.block_size,
+                                        self.kv_dtype, self.kv_sharding)
+        self.token_ids = jnp.zeros((self.max_num_seqs, self.max_model_len), jnp.int32,
+                                   device=self.replicated)
+
+    def device_state_ok(self) -> bool:
+        """Did the KV cache and token history survive (not donated to a step that failed)?"""
+        try:
+            leaves = jax.tree.leaves((self.kv_caches, self.token_ids))
+            if any(a.is_deleted() for a in leaves):
+                return False
+            jax.block_until_ready(leaves)
+            return True
+        except Exception:  # an async failure surfaces here as the arrays' error
+            return False
 
     @property
     def num_compiles(self) -> int:
-        return sum(f.num_compiles for f in (self.step_fns, self.sample_fns,
-                                            self.prompt_logits_fns, self.prompt_logprobs_fns))
+        return self.step_fns.num_compiles
 
     def warmup(self, use_tqdm: bool = True) -> None:
         """Compile every bucket the engine can launch, so serving never compiles."""
-        work = [(self.step_fns, shape) for shape in self.buckets.all_shapes()]
-        seq_buckets = sorted({S for _, S, _ in self.buckets.all_shapes()})
-        work += [(self.sample_fns, (S, v)) for S in seq_buckets for v in sampler_variants()]
-        work += [(f, (T,)) for T in self.buckets.token_buckets
-                 for f in (self.prompt_logits_fns, self.prompt_logprobs_fns)]
+        shapes = [(T, W) for T, _, W in self.buckets.all_shapes()]
         # XLA compiles without the GIL: one thread per core roughly divides the wall time.
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            futures = [pool.submit(fns.get, key) for fns, key in work]
+            futures = [pool.submit(self.step_fns.get, shape) for shape in shapes]
             for f in tqdm(as_completed(futures), total=len(futures), desc="Compiling buckets",
                           disable=not use_tqdm):
                 f.result()
@@ -90,65 +109,51 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        update_states(self.requests, so)
+        return self.fetch(self.dispatch(so))
+
+    def dispatch(self, so: SchedulerOutput) -> PendingStep | None:
+        """Apply the scheduler's diffs, pack the step and launch it; None if nothing runs."""
+        self.input_batch.update_states(so)
         if so.is_empty:
+            return None
+        host = self.input_batch.prepare(so, self.buckets)
+        return PendingStep(host, self.run(host))
+
+    def run(self, host: HostStep) -> StepOutput:
+        """Launch the device step for a packed batch (asynchronously: returns futures)."""
+        T, _, W = host.shape
+        md = AttentionMetadata(host.input_ids, host.positions, host.slot_mapping,
+                               host.block_tables, host.seq_lens, host.query_start_loc,
+                               host.num_seqs)
+        bm = BatchMetadata(host.slot_T, host.from_device_T, host.logits_indices, host.slot_S,
+                           host.samples_S, host.prompt_targets_T, host.wants_prompt_logprobs_T)
+        out, self.kv_caches, self.token_ids = self.step_fns.get((T, W))(
+            self.state, self.kv_caches, self.token_ids, md, bm, host.sampling)
+        out.sampled_token_ids.copy_to_host_async()
+        return out
+
+    def fetch(self, pending: PendingStep | None) -> ModelRunnerOutput:
+        """Wait for a dispatched step's results and turn them into a ModelRunnerOutput."""
+        if pending is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        inp = prepare_inputs(self.requests, so, self.buckets, self.block_size)
-        T, S, W = inp.shape
-        md = AttentionMetadata(inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables,
-                               inp.seq_lens, inp.query_start_loc, inp.num_seqs)
-        logits_SV, hidden_TD, self.kv_caches = self.step_fns.get((T, S, W))(
-            self.state, self.kv_caches, md, inp.logits_indices)
+        host, out = pending.host, pending.out
+        sampled = self.input_batch.record_sampled(host, np.asarray(out.sampled_token_ids))
+        n = len(host.req_ids)
+        want = host.sampling.num_logprobs[:n]
+        logprobs = None
+        if (want >= 0).any():
+            tensors = jax.device_get(out.logprobs)
+            logprobs = [logprobs_lists(tensors, [i], int(want[i]))
+                        if want[i] >= 0 and sampled[i] else None for i in range(n)]
+        return ModelRunnerOutput(req_ids=host.req_ids, sampled_token_ids=sampled,
+                                 logprobs=logprobs,
+                                 prompt_logprobs=self._prompt_logprobs(host, out))
 
-        states = [self.requests[r] for r in inp.req_ids]
-        rows = [SamplingRow(st.sampling_params, st.sampling_params.seed, st.prompt_token_ids,
-                            st.output_token_ids) for st in states]
-        smd = build_sampling_metadata(rows, num_seqs_padded=S, eos_token_ids=self.eos_token_ids,
-                                      max_model_len=self.max_model_len)
-        out = self.sample_fns.get((S, smd.variant))(logits_SV, smd)
-        sampled = np.asarray(out.sampled_token_ids)
-        logprob_tensors = jax.device_get(out.logprobs) if out.logprobs is not None else None
-
-        sampled_token_ids, logprobs = [], []
-        for i, st in enumerate(states):
-            want = st.sampling_params.logprobs
-            if not inp.samples[i]:  # a prefill chunk that ends mid-prompt samples nothing
-                sampled_token_ids.append([])
-                logprobs.append(None)
-                continue
-            token = int(sampled[i])
-            st.output_token_ids.append(token)
-            sampled_token_ids.append([token])
-            logprobs.append(logprobs_lists(logprob_tensors, [i], want)
-                            if want is not None else None)
-        return ModelRunnerOutput(
-            req_ids=inp.req_ids, sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs if logprob_tensors is not None else None,
-            prompt_logprobs=self._prompt_logprobs(inp, states, hidden_TD))
-
-    def _prompt_logprobs(self, inp: StepInputs, states, hidden_TD) -> dict:
-        """req_id -> (first prompt position scored, LogprobsLists) for requests that asked.
-
-        Row p of a request scores prompt token p + 1, so a chunk at positions start..stop-1
-        yields prompt logprobs for tokens start+1..stop (the last prompt token has no row:
-        the position after it predicts the first output)."""
-        wanted = [i for i, st in enumerate(states)
-                  if st.sampling_params.prompt_logprobs is not None
-                  and inp.positions[inp.query_start_loc[i]] + 1 < len(st.prompt_token_ids)]
-        if not wanted:
+    def _prompt_logprobs(self, host: HostStep, out: StepOutput
+                         ) -> dict[str, tuple[int, LogprobsLists]]:
+        """req_id -> (first prompt position scored, LogprobsLists) for requests that asked."""
+        if not host.prompt_logprob_spans:
             return {}
-        T = inp.shape[0]
-        targets = np.zeros(T, np.int32)
-        spans = {}
-        for i in wanted:
-            st = states[i]
-            lo, hi = int(inp.query_start_loc[i]), int(inp.query_start_loc[i + 1])
-            start = int(inp.positions[lo])
-            stop = min(start + (hi - lo), len(st.prompt_token_ids) - 1)
-            targets[lo:lo + stop - start] = st.prompt_token_ids[start + 1:stop + 1]
-            spans[i] = (lo, lo + stop - start, start + 1)
-        logits_TV = self.prompt_logits_fns.get((T,))(self.state, hidden_TD)
-        tensors = jax.device_get(self.prompt_logprobs_fns.get((T,))(logits_TV, targets))
-        return {states[i].req_id: (first, logprobs_lists(tensors, slice(lo, hi),
-                                                         states[i].sampling_params.prompt_logprobs))
-                for i, (lo, hi, first) in spans.items()}
+        tensors = jax.device_get(out.prompt_logprobs)
+        return {req_id: (first, logprobs_lists(tensors, slice(lo, hi), k))
+                for req_id, (lo, hi, first, k) in host.prompt_logprob_spans.items()}

@@ -1,4 +1,4 @@
-"""How tokens are chosen: one small jitted function over the padded batch of logits.
+"""How tokens are chosen: one small traceable function over the padded batch of logits.
 
 Owns the sampling math (vLLM v1 order, below) and the shape of its results. The host-side
 bookkeeping that feeds it lives in `sampling_metadata.py`; this file never looks at a request.
@@ -6,27 +6,31 @@ bookkeeping that feeds it lives in `sampling_metadata.py`; this file never looks
 Per step, on logits [S, V] (float32 from here on):
   1. raw logprobs = log_softmax(logits)          (only if some row wants logprobs)
   2. min_tokens: EOS / stop ids -> -inf           (rows below their min_tokens)
-  3. penalties: repetition, frequency, presence   (variant.do_penalties)
+  3. penalties: repetition, frequency, presence   (only if some row has one)
   4. greedy = argmax                              (penalised, temperature-free)
-  5. / temperature, min_p, top_k + top_p          (random rows)
+  5. / temperature, min_p, top_k + top_p          (only if some row is random)
   6. inverse-CDF draw, one uniform per row from key fold_in(key(seed), step)
   7. sampled = greedy where temperature < eps, else the draw
-Returned logprobs are the RAW ones of step 1 (vLLM's default "raw_logprobs").
+Returned logprobs are the RAW ones of step 1 (vLLM's default "raw_logprobs"); rows that did
+not ask, and whole batches where none did, get zeros.
+
+The "only if" steps are `lax.cond`s on the batch, so one compiled program per S bucket serves
+every mix of parameters at the cost of the work some row actually needs.
 
 Shapes: S sequences (bucket), V vocab, K = min(MAX_LOGPROBS, V), L penalty window, W stop ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.engine.logprobs import LogprobsLists
-from jaxllm.runner.sampling_metadata import PenaltyMetadata, SampleMode, SamplingMetadata
+from jaxllm.messages import LogprobsLists
+from jaxllm.runner.sampling_metadata import PenaltyMetadata, SamplingMetadata
 from jaxllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
 
 
@@ -44,37 +48,57 @@ class LogprobsTensors:
 @flax.struct.dataclass
 class SamplerOutput:
     sampled_token_ids: jax.Array  # [S] int32; padding rows hold garbage, ignore them
-    logprobs: LogprobsTensors | None  # present iff variant.do_logprobs
+    logprobs: LogprobsTensors  # zeros unless some row asked (md.num_logprobs >= 0)
 
 
-def sample(logits_SV: jax.Array, md: SamplingMetadata) -> SamplerOutput:
-    """Pure, traceable: call it inside a larger jit, or use `sample_jit`."""
-    variant = md.variant
+def sample(logits_SV: jax.Array, md: SamplingMetadata,
+           token_history_fn: Callable[[], jax.Array] | None = None) -> SamplerOutput:
+    """Pure, traceable: call it inside a larger jit, or use `sample_jit`. The penalty history
+    is `md.penalties.token_ids`, or, when that is None, `token_history_fn()` [S, L], called
+    only in the branch that applies penalties (so other batches never read it)."""
     logits_SV = logits_SV.astype(jnp.float32)
-    raw_logprobs_SV = jax.nn.log_softmax(logits_SV, axis=-1) if variant.do_logprobs else None
-
     x_SV = _apply_min_tokens(logits_SV, md.min_tokens_stop_ids)
-    if variant.do_penalties:
-        x_SV = apply_penalties(x_SV, md.penalties)
-    greedy_S = jnp.argmax(x_SV, axis=-1).astype(jnp.int32)
 
-    if variant.mode == SampleMode.GREEDY:
-        sampled_S = greedy_S
-    else:
-        is_greedy_S = md.temperature < SAMPLING_EPS
+    def penalize(x_SV):
+        pen = md.penalties
+        if pen.token_ids is None:
+            pen = pen.replace(token_ids=token_history_fn())
+        return apply_penalties(x_SV, pen)
+
+    x_SV = jax.lax.cond(_any_penalties(md.penalties), penalize, lambda x: x, x_SV)
+    greedy_S = jnp.argmax(x_SV, axis=-1).astype(jnp.int32)
+    is_greedy_S = md.temperature < SAMPLING_EPS
+
+    def draw(x_SV):
         x_SV = x_SV / jnp.where(is_greedy_S, 1.0, md.temperature)[:, None]
         x_SV = _apply_min_p(x_SV, md.min_p)
-        if variant.mode == SampleMode.RANDOM_TOP_K_TOP_P:
-            x_SV = apply_top_k_top_p(x_SV, md.top_k, md.top_p)
-        random_S = _sample_from(x_SV, md.seeds, md.steps)
-        sampled_S = jnp.where(is_greedy_S, greedy_S, random_S)
+        x_SV = apply_top_k_top_p(x_SV, md.top_k, md.top_p)
+        return jnp.where(is_greedy_S, greedy_S, _sample_from(x_SV, md.seeds, md.steps))
 
-    logprobs = gather_logprobs(raw_logprobs_SV, sampled_S) if variant.do_logprobs else None
+    sampled_S = jax.lax.cond(jnp.all(is_greedy_S), lambda _: greedy_S, draw, x_SV)
+    logprobs = jax.lax.cond(
+        jnp.any(md.num_logprobs >= 0),
+        lambda: gather_logprobs(jax.nn.log_softmax(logits_SV, axis=-1), sampled_S),
+        lambda: zero_logprobs(sampled_S, logits_SV.shape[-1]))
     return SamplerOutput(sampled_token_ids=sampled_S, logprobs=logprobs)
 
 
-# The variant is a static field of the metadata pytree, so each (S, variant) compiles once.
 sample_jit = jax.jit(sample)
+
+
+def _any_penalties(pen: PenaltyMetadata) -> jax.Array:
+    return jnp.any((pen.presence_penalty != 0) | (pen.frequency_penalty != 0)
+                   | (pen.repetition_penalty != 1))
+
+
+def zero_logprobs(token_ids_R: jax.Array, vocab: int) -> LogprobsTensors:
+    k = min(MAX_LOGPROBS, vocab)
+    rows = token_ids_R.shape[0]
+    return LogprobsTensors(selected_token_ids=token_ids_R,
+                           selected_logprobs=jnp.zeros(rows, jnp.float32),
+                           selected_ranks=jnp.zeros(rows, jnp.int32),
+                           topk_token_ids=jnp.zeros((rows, k), jnp.int32),
+                           topk_logprobs=jnp.zeros((rows, k), jnp.float32))
 
 
 def compute_prompt_logprobs(logits_TV: jax.Array, target_ids_T: jax.Array) -> LogprobsTensors:
@@ -151,7 +175,8 @@ def apply_top_k_top_p(x_SV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array) -
         return jnp.where(key_SV >= pth_S[:, None], x_SV, -jnp.inf)
 
     # Each search is 32 passes over [S, V]; skip it at run time when no row needs it (a
-    # batch with only top_p, as in vLLM's quickstart, pays for one search).
+    # batch with only top_p, as in vLLM's quickstart, pays for one search; plain
+    # temperature sampling pays for none).
     x_SV = jax.lax.cond(jnp.any(k_S < vocab), top_k, lambda x: x, x_SV)
     return jax.lax.cond(jnp.any(top_p_S < 1.0), top_p, lambda x: x, x_SV)
 

@@ -1,51 +1,30 @@
 """Host side of sampling: per-request parameters -> one padded `SamplingMetadata` per step.
 
-Owns: which jitted sampler variant a batch needs, and the numpy arrays (padded to the sequence
-bucket S) it reads. Never touches a device and never does sampling math: that is `sampler.py`.
+Owns the slot-indexed arrays of sampling parameters (`SamplingSlots`: written once when a
+request joins the batch, gathered per step) and the metadata pytree the sampler reads. Never
+touches a device and never does sampling math: that is `sampler.py`.
 
-Every shape is a bucket constant: S (sequence bucket), W = MAX_MIN_TOKENS_STOP_IDS,
-L = max_model_len (penalty window). So a variant compiled once per S at start-up never
-recompiles.
+Every shape is a bucket constant: S (sequence bucket), W = MAX_MIN_TOKENS_STOP_IDS, and in
+tests L (penalty window). There is no static "variant": the sampler skips the work no row
+needs at run time, so one program per S bucket serves every mix of parameters.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import itertools
 from collections.abc import Sequence
 
 import flax.struct
 import numpy as np
 
-from jaxllm.sampling_params import SAMPLING_EPS, SamplingParams
+from jaxllm.sampling_params import SamplingParams
 
 # Width of the per-row list of token ids banned while a request is below `min_tokens`
-# (its EOS ids + stop_token_ids). A fixed width keeps one compiled shape per bucket.
+# (its EOS ids + stop_token_ids). A fixed width keeps one compiled shape per bucket; the
+# engine rejects requests that would need more at admission.
 MAX_MIN_TOKENS_STOP_IDS = 32
 # Out of range for any vocabulary: scatters drop it. (-1 would wrap to the last token.)
 NO_TOKEN = np.iinfo(np.int32).max
-
-
-class SampleMode(enum.IntEnum):
-    GREEDY = 0  # every row greedy: argmax only, no randomness
-    RANDOM = 1  # some row random; no row uses top_k/top_p (no sort)
-    RANDOM_TOP_K_TOP_P = 2  # some row uses top_k or top_p: one sort over V per row
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerVariant:
-    """The static choices of the jitted sampler; one compiled program per (bucket, variant)."""
-
-    mode: SampleMode = SampleMode.GREEDY
-    do_penalties: bool = False  # some row has presence/frequency/repetition penalties
-    do_logprobs: bool = False  # some row asked for logprobs (top-MAX_LOGPROBS raw logprobs)
-
-
-def sampler_variants() -> list[SamplerVariant]:
-    """Every variant, for start-up precompilation (3 modes x 2 x 2 = 12)."""
-    return [SamplerVariant(mode, penalties, logprobs) for mode, penalties, logprobs
-            in itertools.product(SampleMode, (False, True), (False, True))]
 
 
 @flax.struct.dataclass
@@ -53,9 +32,11 @@ class PenaltyMetadata:
     presence_penalty: np.ndarray  # [S] float32, 0 = off (also padding)
     frequency_penalty: np.ndarray  # [S] float32, 0 = off
     repetition_penalty: np.ndarray  # [S] float32, 1 = off
-    token_ids: np.ndarray  # [S, L] int32, prompt ids then output ids so far, 0 past seq_lens
     prompt_lens: np.ndarray  # [S] int32, token_ids[s, :prompt_lens[s]] is the prompt
-    seq_lens: np.ndarray  # [S] int32, prompt + output so far; 0 for rows without penalties
+    seq_lens: np.ndarray  # [S] int32, prompt + output so far (tokens before the sampled one)
+    # [S, L] int32, prompt ids then output ids, anything past seq_lens. None when the caller
+    # fills it on the device (the runner's step reads its device token history).
+    token_ids: np.ndarray | None = None
 
 
 @flax.struct.dataclass
@@ -67,13 +48,13 @@ class SamplingMetadata:
     seeds: np.ndarray  # [S, 2] uint32, threefry key words (hi, lo) of each row's 64-bit seed
     steps: np.ndarray  # [S] int32, output tokens the row already has (folded into its key)
     min_tokens_stop_ids: np.ndarray  # [S, W] int32, ids masked to -inf this step; NO_TOKEN pads
-    penalties: PenaltyMetadata | None  # present iff variant.do_penalties
-    variant: SamplerVariant = flax.struct.field(pytree_node=False, default=SamplerVariant())
+    num_logprobs: np.ndarray  # [S] int32, -1 = the row wants no logprobs
+    penalties: PenaltyMetadata
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingRow:
-    """What the builder needs about one request being sampled this step."""
+    """One request being sampled, for `build_sampling_metadata` (tests and tools)."""
 
     params: SamplingParams
     seed: int  # params.seed if set, else request_seed(engine_seed, request_index)
@@ -88,88 +69,110 @@ def request_seed(engine_seed: int, request_index: int) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])
 
 
-def select_variant(params: Sequence[SamplingParams]) -> SamplerVariant:
-    if all(p.temperature < SAMPLING_EPS for p in params):
-        mode = SampleMode.GREEDY
-    elif any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        mode = SampleMode.RANDOM_TOP_K_TOP_P
-    else:
-        mode = SampleMode.RANDOM
-    return SamplerVariant(mode=mode, do_penalties=any(p.uses_penalties for p in params),
-                          do_logprobs=any(p.logprobs is not None for p in params))
+def banned_until_min_tokens(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
+    """The ids masked while a request is below min_tokens: EOS ids (even with ignore_eos, as
+    vLLM does) and stop_token_ids. Raises ValueError past MAX_MIN_TOKENS_STOP_IDS."""
+    if params.min_tokens == 0:
+        return []
+    banned = list(dict.fromkeys([*eos_token_ids, *params.stop_token_ids]))
+    if len(banned) > MAX_MIN_TOKENS_STOP_IDS:
+        raise ValueError(f"min_tokens supports at most {MAX_MIN_TOKENS_STOP_IDS} EOS + "
+                         f"stop_token_ids, got {len(banned)}.")
+    return banned
+
+
+class SamplingSlots:
+    """Sampling parameters of up to `num_slots` requests, one row per slot."""
+
+    def __init__(self, num_slots: int):
+        n = num_slots
+        self.temperature = np.zeros(n, np.float32)
+        self.top_k = np.zeros(n, np.int32)
+        self.top_p = np.ones(n, np.float32)
+        self.min_p = np.zeros(n, np.float32)
+        self.seeds = np.zeros((n, 2), np.uint32)
+        self.min_tokens = np.zeros(n, np.int32)
+        self.banned = np.full((n, MAX_MIN_TOKENS_STOP_IDS), NO_TOKEN, np.int32)
+        self.presence_penalty = np.zeros(n, np.float32)
+        self.frequency_penalty = np.zeros(n, np.float32)
+        self.repetition_penalty = np.ones(n, np.float32)
+        self.num_logprobs = np.full(n, -1, np.int32)
+
+    def add(self, slot: int, params: SamplingParams, seed: int,
+            eos_token_ids: Sequence[int]) -> None:
+        banned = banned_until_min_tokens(params, eos_token_ids)
+        self.temperature[slot] = params.temperature
+        self.top_k[slot] = params.top_k
+        self.top_p[slot] = params.top_p
+        self.min_p[slot] = params.min_p
+        seed %= 2**64
+        self.seeds[slot] = (seed >> 32, seed & 0xFFFFFFFF)
+        self.min_tokens[slot] = params.min_tokens
+        self.banned[slot] = NO_TOKEN
+        self.banned[slot, :len(banned)] = banned
+        self.presence_penalty[slot] = params.presence_penalty
+        self.frequency_penalty[slot] = params.frequency_penalty
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+
+    def gather(self, slots: np.ndarray, num_output_tokens: np.ndarray, prompt_lens: np.ndarray,
+               num_seqs_padded: int) -> SamplingMetadata:
+        """Rows `slots` (one per real sequence, in batch order) padded to `num_seqs_padded`.
+        num_output_tokens: output tokens each row has before this sample (in-flight ones
+        included); prompt_lens: its prompt length."""
+        n = len(slots)
+        if n > num_seqs_padded:
+            raise ValueError(f"{n} rows do not fit the bucket num_seqs_padded="
+                             f"{num_seqs_padded}.")
+        md = dummy_sampling_metadata(num_seqs_padded)
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "num_logprobs"):
+            getattr(md, name)[:n] = getattr(self, name)[slots]
+        md.steps[:n] = num_output_tokens
+        below = num_output_tokens < self.min_tokens[slots]
+        md.min_tokens_stop_ids[:n] = np.where(below[:, None], self.banned[slots], NO_TOKEN)
+        pen = md.penalties
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            getattr(pen, name)[:n] = getattr(self, name)[slots]
+        pen.prompt_lens[:n] = prompt_lens
+        pen.seq_lens[:n] = prompt_lens + num_output_tokens
+        return md
 
 
 def build_sampling_metadata(rows: Sequence[SamplingRow], *, num_seqs_padded: int,
-                            eos_token_ids: Sequence[int], max_model_len: int,
-                            variant: SamplerVariant | None = None) -> SamplingMetadata:
-    """Pad `rows` to `num_seqs_padded` (the S bucket) and pick the cheapest variant.
-
-    eos_token_ids: the model's EOS ids, banned (with stop_token_ids) while a row is below its
-    min_tokens, even with ignore_eos, as vLLM does.
-    max_model_len: the penalty window L (prompt + output never exceeds it).
-    variant: force a variant (must cover the rows' needs); default is the cheapest that does.
-    """
-    num_rows = len(rows)
-    if num_rows > num_seqs_padded:
-        raise ValueError(f"{num_rows} rows do not fit the bucket num_seqs_padded="
-                         f"{num_seqs_padded}.")
-    if variant is None:
-        variant = select_variant([row.params for row in rows])
-    md = dummy_sampling_metadata(num_seqs_padded, variant, max_model_len=max_model_len)
+                            eos_token_ids: Sequence[int], max_model_len: int
+                            ) -> SamplingMetadata:
+    """Metadata for `rows` with the penalty history filled from the rows themselves (the
+    runner fills it on the device instead). max_model_len: the penalty window L."""
+    slots = SamplingSlots(max(len(rows), 1))
+    token_ids = np.zeros((num_seqs_padded, max_model_len), np.int32)
     for i, row in enumerate(rows):
-        p = row.params
-        md.temperature[i] = p.temperature
-        md.top_k[i] = p.top_k
-        md.top_p[i] = p.top_p
-        md.min_p[i] = p.min_p
-        seed = row.seed % 2**64
-        md.seeds[i] = (seed >> 32, seed & 0xFFFFFFFF)
-        md.steps[i] = len(row.output_token_ids)
-        if len(row.output_token_ids) < p.min_tokens:
-            banned = list(dict.fromkeys([*eos_token_ids, *p.stop_token_ids]))
-            if len(banned) > MAX_MIN_TOKENS_STOP_IDS:
-                raise ValueError(f"min_tokens supports at most {MAX_MIN_TOKENS_STOP_IDS} EOS + "
-                                 f"stop_token_ids, got {len(banned)}.")
-            md.min_tokens_stop_ids[i, :len(banned)] = banned
-        if p.uses_penalties:
-            _fill_penalty_row(md.penalties, i, row, max_model_len)
-    return md
+        slots.add(i, row.params, row.seed, eos_token_ids)
+        tokens = [*row.prompt_token_ids, *row.output_token_ids]
+        if row.params.uses_penalties:
+            if len(tokens) > max_model_len:
+                raise ValueError(f"prompt + output ({len(tokens)} tokens) exceeds "
+                                 f"max_model_len={max_model_len}.")
+            token_ids[i, :len(tokens)] = tokens
+    md = slots.gather(np.arange(len(rows)),
+                      np.array([len(r.output_token_ids) for r in rows], np.int32),
+                      np.array([len(r.prompt_token_ids) for r in rows], np.int32),
+                      num_seqs_padded)
+    return md.replace(penalties=md.penalties.replace(token_ids=token_ids))
 
 
-def _fill_penalty_row(pen: PenaltyMetadata | None, i: int, row: SamplingRow,
-                      max_model_len: int) -> None:
-    if pen is None:
-        raise ValueError("a row uses penalties but the forced variant has do_penalties=False.")
-    p = row.params
-    num_prompt, num_output = len(row.prompt_token_ids), len(row.output_token_ids)
-    if num_prompt + num_output > max_model_len:
-        raise ValueError(f"prompt + output ({num_prompt + num_output} tokens) exceeds "
-                         f"max_model_len={max_model_len}.")
-    pen.presence_penalty[i] = p.presence_penalty
-    pen.frequency_penalty[i] = p.frequency_penalty
-    pen.repetition_penalty[i] = p.repetition_penalty
-    pen.token_ids[i, :num_prompt] = row.prompt_token_ids
-    pen.token_ids[i, num_prompt:num_prompt + num_output] = row.output_token_ids
-    pen.prompt_lens[i] = num_prompt
-    pen.seq_lens[i] = num_prompt + num_output
-
-
-def dummy_sampling_metadata(num_seqs_padded: int, variant: SamplerVariant, *,
-                            max_model_len: int) -> SamplingMetadata:
-    """All-padding metadata of bucket S for `variant`: the builder's starting point, and the
-    input for precompiling (bucket, variant) at start-up. Padding rows are greedy, with every
-    knob off, so they never produce NaN or errors."""
+def dummy_sampling_metadata(num_seqs_padded: int, max_model_len: int | None = None
+                            ) -> SamplingMetadata:
+    """All-padding metadata of bucket S: greedy rows with every knob off, so they never
+    produce NaN or errors. With max_model_len, the penalty history is a zero [S, L] array."""
     s = num_seqs_padded
-    penalties = None
-    if variant.do_penalties:
-        penalties = PenaltyMetadata(
-            presence_penalty=np.zeros(s, np.float32),
-            frequency_penalty=np.zeros(s, np.float32),
-            repetition_penalty=np.ones(s, np.float32),
-            token_ids=np.zeros((s, max_model_len), np.int32),
-            prompt_lens=np.zeros(s, np.int32),
-            seq_lens=np.zeros(s, np.int32),
-        )
+    penalties = PenaltyMetadata(
+        presence_penalty=np.zeros(s, np.float32),
+        frequency_penalty=np.zeros(s, np.float32),
+        repetition_penalty=np.ones(s, np.float32),
+        prompt_lens=np.zeros(s, np.int32),
+        seq_lens=np.zeros(s, np.int32),
+        token_ids=None if max_model_len is None else np.zeros((s, max_model_len), np.int32),
+    )
     return SamplingMetadata(
         temperature=np.zeros(s, np.float32),
         top_k=np.zeros(s, np.int32),
@@ -178,6 +181,6 @@ def dummy_sampling_metadata(num_seqs_padded: int, variant: SamplerVariant, *,
         seeds=np.zeros((s, 2), np.uint32),
         steps=np.zeros(s, np.int32),
         min_tokens_stop_ids=np.full((s, MAX_MIN_TOKENS_STOP_IDS), NO_TOKEN, np.int32),
+        num_logprobs=np.full(s, -1, np.int32),
         penalties=penalties,
-        variant=variant,
     )

@@ -1,10 +1,20 @@
-"""What is jitted, and with which static shapes.
+"""What is jitted, and with which static shapes: one program per token bucket T.
 
-Owns: the jitted model step (one compile per (T, S, W) bucket, the KV cache donated so it
-is updated in place) and the prompt-logits helper (one compile per T bucket). Functions are
-jitted once over (graphdef, state): `nnx.split` happens once at load, `nnx.merge` inside.
-Every compile goes through `CompiledFunctions`, which counts them: serving after warm-up
-must count zero.
+Owns the jitted step (model forward, logits of each sequence's last row, sampling, and prompt
+logprobs when some row asks) and the device inputs it reads beside the attention metadata.
+One step is one dispatch: the sampler runs inside it, its `lax.cond`s skip what no row
+needs, so a bucket never compiles twice. The KV cache and the token history are donated and
+updated in place. Functions are jitted once over (graphdef, state): `nnx.split` happens once
+at load, `nnx.merge` inside. Every compile goes through `CompiledFunctions`, which counts
+them: serving after warm-up must count zero.
+
+The token history `token_ids_RL` [R slots, L = max_model_len] holds, for the request in each
+slot, every token that went into a step or came out of one. It is what lets the host schedule
+step N+1 before step N's sample reaches it (async scheduling): a row whose token the host
+does not know yet (`from_device_T`) reads it here. The penalties read it too.
+
+    step N   samples o7 for slot 3       -> token_ids_RL[3, 7] = o7
+    step N+1 row t: slot 3, position 7   -> input_ids[t] = token_ids_RL[3, 7]   (host sent 0)
 """
 
 from __future__ import annotations
@@ -12,42 +22,89 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.models.base import AttentionMetadata
+from jaxllm.runner.sampler import (LogprobsTensors, zero_logprobs, compute_prompt_logprobs,
+                                   sample)
+from jaxllm.runner.sampling_metadata import SamplingMetadata, dummy_sampling_metadata
+
+
+@flax.struct.dataclass
+class BatchMetadata:
+    """Per-step device inputs of the runner beyond attention (T rows, S sequences)."""
+
+    slot_T: jax.Array  # [T] int32, batch slot of each row; R (out of range) for padding rows
+    from_device_T: jax.Array  # [T] bool, the row's token is only in token_ids_RL
+    logits_indices_S: jax.Array  # [S] int32, last packed row of each sequence
+    slot_S: jax.Array  # [S] int32, batch slot of each sequence; R for padding
+    samples_S: jax.Array  # [S] bool, the sequence samples this step (its chunk reaches the end)
+    prompt_targets_T: jax.Array  # [T] int32, the prompt token each row predicts (or 0)
+    wants_prompt_logprobs_T: jax.Array  # [T] bool, rows whose prompt logprob is wanted
+
+
+@flax.struct.dataclass
+class StepOutput:
+    sampled_token_ids: jax.Array  # [S] int32 (garbage for rows that do not sample)
+    logprobs: LogprobsTensors  # [S] rows; zeros unless some row asked
+    prompt_logprobs: LogprobsTensors  # [T] rows; zeros unless some row asked
 
 
 def make_step_fn(graphdef, attention_backend: str, replicated=None):
-    """`replicated`: with tensor parallelism, a replicated NamedSharding on the mesh; the
-    outputs are gathered to it so the sampler (compiled for replicated inputs) takes them."""
-    def step(state, kv_caches, md: AttentionMetadata, logits_indices_S):
+    """`replicated`: with tensor parallelism, a replicated NamedSharding on the mesh; logits
+    and hidden states are gathered to it so sampling sees whole rows."""
+
+    def constrain(x):
+        return x if replicated is None else jax.lax.with_sharding_constraint(x, replicated)
+
+    def step(state, kv_caches, token_ids_RL, md: AttentionMetadata, bm: BatchMetadata,
+             smd: SamplingMetadata):
         model = nnx.merge(graphdef, state)
-        hidden_TD, kv_caches = model(md, kv_caches, attention_backend)
-        logits_SV = model.compute_logits(hidden_TD[logits_indices_S])  # [S, V] f32
-        if replicated is not None:
-            logits_SV = jax.lax.with_sharding_constraint(logits_SV, replicated)
-            hidden_TD = jax.lax.with_sharding_constraint(hidden_TD, replicated)
-        return logits_SV, hidden_TD, kv_caches
+        R = token_ids_RL.shape[0]
+        known_T = token_ids_RL.at[bm.slot_T, md.positions].get(mode="fill", fill_value=0)
+        input_ids_T = jnp.where(bm.from_device_T, known_T, md.input_ids)
+        token_ids_RL = token_ids_RL.at[bm.slot_T, md.positions].set(input_ids_T, mode="drop")
+        hidden_TD, kv_caches = model(md.replace(input_ids=input_ids_T), kv_caches,
+                                     attention_backend)
+        hidden_TD = constrain(hidden_TD)
+        logits_SV = constrain(model.compute_logits(hidden_TD[bm.logits_indices_S]))  # f32
 
-    return jax.jit(step, donate_argnums=(1,))
+        out = sample(logits_SV, smd, lambda: token_ids_RL.at[bm.slot_S].get(mode="fill",
+                                                                             fill_value=0))
+        # The sampled token sits right after the sequence's last computed position.
+        write_slot_S = jnp.where(bm.samples_S, bm.slot_S, R)
+        token_ids_RL = token_ids_RL.at[write_slot_S, md.seq_lens].set(out.sampled_token_ids,
+                                                                      mode="drop")
+
+        def prompt_logprobs():
+            logits_TV = constrain(model.compute_logits(hidden_TD))
+            return compute_prompt_logprobs(logits_TV, bm.prompt_targets_T)
+
+        prompt = jax.lax.cond(jnp.any(bm.wants_prompt_logprobs_T), prompt_logprobs,
+                              lambda: zero_logprobs(bm.prompt_targets_T, logits_SV.shape[-1]))
+        return (StepOutput(out.sampled_token_ids, out.logprobs, prompt), kv_caches,
+                token_ids_RL)
+
+    return jax.jit(step, donate_argnums=(1, 2))
 
 
-def make_prompt_logits_fn(graphdef):
-    def prompt_logits(state, hidden_TD):
-        return nnx.merge(graphdef, state).compute_logits(hidden_TD)  # [T, V] f32
-
-    return jax.jit(prompt_logits)
-
-
-def abstract_metadata(T: int, S: int, W: int, sharding=None
-                      ) -> tuple[AttentionMetadata, jax.ShapeDtypeStruct]:
+def abstract_inputs(T: int, S: int, W: int, sharding=None
+                    ) -> tuple[AttentionMetadata, BatchMetadata, SamplingMetadata]:
+    """ShapeDtypeStructs of a (T, S, W) step's metadata, for ahead-of-time compiles."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa
+    bool_ = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=sharding)  # noqa
     md = AttentionMetadata(input_ids=i32(T), positions=i32(T), slot_mapping=i32(T),
-                           block_tables=i32(S, W), seq_lens=i32(S),
-                           query_start_loc=i32(S + 1), num_seqs=i32())
-    return md, i32(S)
+                           block_tables=i32(S, W), seq_lens=i32(S), query_start_loc=i32(S + 1),
+                           num_seqs=i32())
+    bm = BatchMetadata(slot_T=i32(T), from_device_T=bool_(T), logits_indices_S=i32(S),
+                       slot_S=i32(S), samples_S=bool_(S), prompt_targets_T=i32(T),
+                       wants_prompt_logprobs_T=bool_(T))
+    smd = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                       dummy_sampling_metadata(S))
+    return md, bm, smd
 
 
 class CompiledFunctions:
@@ -59,6 +116,11 @@ class CompiledFunctions:
         self._compiled: dict[tuple, object] = {}
         self._lock = threading.Lock()  # warm-up compiles from several threads
         self.num_compiles = 0
+
+    def items(self) -> list[tuple[tuple, object]]:
+        """(key, compiled executable) of everything compiled so far."""
+        with self._lock:
+            return list(self._compiled.items())
 
     def get(self, key: tuple):
         fn = self._compiled.get(key)

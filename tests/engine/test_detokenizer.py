@@ -125,7 +125,8 @@ def test_detokenize_off():
 
 
 def test_logprob_dicts_carry_decoded_tokens():
-    from jaxllm.engine.logprobs import LogprobsLists, make_logprob_dicts
+    from jaxllm.engine.logprobs import make_logprob_dicts
+    from jaxllm.messages import LogprobsLists
 
     tok = smollm2()
     lists = LogprobsLists([[15107, 2, 19556]], [[-4.0, -1.0, -2.0]], [9])

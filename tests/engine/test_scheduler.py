@@ -8,7 +8,7 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
-from jaxllm.engine.sched_output import ModelRunnerOutput, NewRequestData
+from jaxllm.messages import ModelRunnerOutput, NewRequestData
 
 EOS = 2
 
@@ -18,10 +18,9 @@ Params = functools.partial(SamplingParams, max_tokens=16)
 
 
 def make_scheduler(*, num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
-                   max_num_batched_tokens=64, long_prefill_token_threshold=0) -> Scheduler:
+                   max_num_batched_tokens=64) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, max_model_len)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len,
-                     long_prefill_token_threshold)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
 
 
 def make_request(req_id: str, prompt_len: int, **params) -> Request:
@@ -67,11 +66,11 @@ def generate(script: list[int], max_model_len=64, prompt_len=4, **params):
 def test_request_status_order_and_reasons():
     order = [RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED,
              RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
-             RequestStatus.FINISHED_ABORTED]
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR]
     assert order == sorted(order)
-    assert [RequestStatus.is_finished(s) for s in order] == [False] * 3 + [True] * 3
+    assert [RequestStatus.is_finished(s) for s in order] == [False] * 3 + [True] * 4
     assert [RequestStatus.get_finished_reason(s) for s in order] == [
-        None, None, None, "stop", "length", "abort"]
+        None, None, None, "stop", "length", "abort", "error"]
 
 
 def test_request_tokens_grow_through_one_method():
@@ -81,9 +80,7 @@ def test_request_tokens_grow_through_one_method():
     req.append_output_token_ids([6, 7])
     assert req.output_token_ids == [5, 6, 7]
     assert req.prompt_token_ids == [100, 101, 102]
-    assert req.all_token_ids == [100, 101, 102, 5, 6, 7]
     assert (req.num_tokens, req.num_output_tokens) == (6, 3)
-    assert not hasattr(req.all_token_ids, "append")
     req.output_token_ids.append(99)  # a copy: the request is unchanged
     assert req.num_tokens == 6
     with pytest.raises(ValueError, match="must not be empty"):
@@ -129,14 +126,6 @@ def test_running_first_then_waiting_fill_the_budget():
     assert out.total_num_scheduled_tokens == 8
     assert [r.req_id for r in out.scheduled_cached_reqs] == ["a", "b"]
     assert [r.req_id for r in out.scheduled_new_reqs] == ["c"]
-
-
-def test_long_prefill_token_threshold_caps_each_chunk():
-    sched = make_scheduler(long_prefill_token_threshold=4)
-    sched.add_request(make_request("a", 10))
-    sched.add_request(make_request("b", 3))
-    out, _ = step(sched)
-    assert out.num_scheduled_tokens == {"a": 4, "b": 3}
 
 
 def test_max_num_seqs_caps_running_and_fcfs_admits_the_next():
@@ -320,8 +309,64 @@ def test_add_request_validation():
 @pytest.mark.parametrize("kwargs, name", [
     (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
-    (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
 ])
 def test_scheduler_config_validation(kwargs, name):
     with pytest.raises(ValueError, match=name):
         make_scheduler(**kwargs)
+
+
+# -- async scheduling: the next step is scheduled before the last one's output arrives ------
+def test_async_decode_schedules_the_placeholder_and_folds_tokens_back_in_order():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 3, max_tokens=4))
+    out1 = sched.schedule()  # prefill: samples o0
+    req = sched.requests["a"]
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (3, 1)
+    out2 = sched.schedule()  # decodes o0 before it is known: samples o1
+    assert out2.num_scheduled_tokens == {"a": 1}
+    assert out2.scheduled_cached_reqs[0].num_computed_tokens == 3
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (4, 2)
+    first = sched.update_from_output(out1, ModelRunnerOutput(["a"], [[10]]))
+    assert [o.new_token_ids for o in first] == [[10]]
+    assert (req.num_tokens, req.num_output_placeholders) == (4, 1)
+    out3 = sched.schedule()
+    assert out3.num_scheduled_tokens == {"a": 1}
+    sched.update_from_output(out2, ModelRunnerOutput(["a"], [[11]]))
+    # o0 o1 known and o2 in flight: o3 is the last of max_tokens=4, so one more step.
+    out4 = sched.schedule()
+    assert out4.num_scheduled_tokens == {"a": 1}
+    assert req.num_output_placeholders == 2
+    # Every remaining token is in flight: nothing more to schedule.
+    assert sched.schedule().num_scheduled_tokens == {}
+    sched.update_from_output(out3, ModelRunnerOutput(["a"], [[12]]))
+    last = sched.update_from_output(out4, ModelRunnerOutput(["a"], [[13]]))
+    assert [(o.new_token_ids, o.finish_reason) for o in last] == [([13], "length")]
+    assert req.output_token_ids == [10, 11, 12, 13] and not sched.has_unfinished_requests()
+
+
+def test_async_stop_token_discards_the_step_already_in_flight():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 3, max_tokens=8))
+    out1 = sched.schedule()
+    out2 = sched.schedule()
+    outs = sched.update_from_output(out1, ModelRunnerOutput(["a"], [[EOS]]))
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([EOS], "stop")]
+    assert sched.kv_cache_manager.usage == 0.0
+    # The in-flight step's token belongs to a finished request: dropped, no output.
+    assert sched.update_from_output(out2, ModelRunnerOutput(["a"], [[5]])) == []
+    assert sched.schedule().finished_req_ids == {"a"}
+
+
+def test_async_preemption_drops_stale_tokens_and_resamples_after_recompute():
+    # 3 usable blocks of 4 tokens: a (4 prompt) and b (4 prompt) both grow into a 2nd block.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=12)
+    sched.add_request(make_request("a", 4, max_tokens=8))
+    sched.add_request(make_request("b", 4, max_tokens=8))
+    out1 = sched.schedule()  # both prefill, both sample
+    out2 = sched.schedule()  # a decodes into a new block; b cannot and preempts itself
+    assert out2.num_scheduled_tokens == {"a": 1} and out2.preempted_req_ids == {"b"}
+    b = sched.requests["b"]
+    assert (b.num_output_placeholders, b.num_stale_outputs) == (0, 1)
+    outs = sched.update_from_output(out1, ModelRunnerOutput(["a", "b"], [[20], [30]]))
+    assert [(o.req_id, o.new_token_ids) for o in outs] == [("a", [20])]
+    assert b.output_token_ids == [] and b.num_stale_outputs == 0

@@ -204,14 +204,26 @@ def test_metrics(tiny_llm, tokenizer):
 def test_abort_frees_the_request(tiny_llm, tokenizer):
     engine = tiny_llm.llm_engine
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    aborted_before = aborted_count(tiny_llm)
     keep = engine.add_request(None, ids[0], greedy(6))
     drop = engine.add_request(None, ids[1], greedy(50))
     engine.step()
+    engine.step()
     engine.abort_request(drop)
+    assert drop not in engine.scheduler.requests  # blocks freed at once, not at the next step
     done = []
     while engine.has_unfinished_requests():
         done += engine.step()
-    assert [o.request_id for o in done] == [keep]
-    assert token_ids(done) == [token_ids(tiny_llm.generate({"prompt_token_ids": ids[0]},
-                                                           greedy(6), use_tqdm=False))[0]]
+    # The aborted request ends with a final output of its own, first.
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in done] == [
+        (drop, "abort"), (keep, "length")]
+    assert 1 <= len(done[0].outputs[0].token_ids) < 50
+    assert token_ids(done[1:]) == [token_ids(tiny_llm.generate({"prompt_token_ids": ids[0]},
+                                                               greedy(6), use_tqdm=False))[0]]
     assert metric_values(tiny_llm)["jaxllm:kv_cache_usage_perc"] == 0.0
+    assert aborted_count(tiny_llm) == aborted_before + 1
+
+
+def aborted_count(llm) -> int:
+    return next(m.value for m in llm.get_metrics() if m.name == "jaxllm:request_success_total"
+                and m.labels["finished_reason"] == "abort")

@@ -11,8 +11,8 @@ import sys
 import textwrap
 
 _SCRIPT = textwrap.dedent("""
-    import sys, tempfile
-    sys.path.insert(0, {here!r})
+    import os, sys, tempfile
+    sys.path[:0] = [{here!r}, os.path.dirname({here!r})]
     import jax
     from jaxllm import LLM, SamplingParams
     from tiny_model import build_tiny_llama_dir

@@ -53,9 +53,9 @@ def warm_llm(make_tiny_llm):
 
 def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
     runner = warm_llm.llm_engine.runner
-    # Token buckets (16, 32) x one width (64 // 16 = 4 blocks) step shapes, 12 sampler
-    # variants at S = 4, and prompt logits + prompt logprobs per token bucket.
-    assert runner.num_compiles == 2 + 12 + 2 * 2
+    # One program per token bucket (2, 4, 8, 16, 32) at one width (64 // 16 = 4 blocks):
+    # sampling and prompt logprobs run inside the step.
+    assert runner.num_compiles == 5
     compiled = runner.num_compiles
     long_prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 5)["input_ids"]
     assert 32 < len(long_prompt) < 64  # chunked prefill under the 32-token budget
@@ -79,6 +79,21 @@ def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
 
     # The check can fail: a shape outside the buckets compiles, and both counters see it.
     with jax_compile_events() as events:
-        runner.prompt_logits_fns.get((8,))
+        runner.step_fns.get((3, 4))
     assert runner.num_compiles == compiled + 1
     assert events[BACKEND_COMPILE_EVENT] >= 1
+
+
+def test_every_bucket_updates_the_kv_cache_in_place(warm_llm):
+    """No compiled bucket copies a whole KV cache: it is donated and written by scatters in
+    place (a T = 1 bucket used to copy every cache per step). The token history is checked
+    in the GPU compile tests, where its shape cannot be mistaken for an index array's."""
+    from jaxllm.kernels.gpu_compile import GpuCompileResult, full_cache_copies
+
+    runner = warm_llm.llm_engine.runner
+    compiled = runner.step_fns.items()
+    assert len(compiled) == runner.num_compiles
+    for key, fn in compiled:
+        result = GpuCompileResult(target="cpu", hlo=fn.as_text(), ptx={}, kernels=[],
+                                  memory=fn.memory_analysis())
+        assert full_cache_copies(result, runner.kv_caches) == [], key

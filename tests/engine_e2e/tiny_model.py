@@ -6,9 +6,7 @@ writing config.json, model.safetensors, generation_config.json and the SmolLM2 t
 second. The vocabulary is SmolLM2's (49152), so prompts, chat templates and detokenization
 behave as on the real model; everything else is tiny.
 
-Weights are drawn with a larger spread than HF's init (std 0.02), so the logits are peaked
-and greedy argmaxes are far from ties: a batch-vs-alone comparison then tests the engine, not
-the last bit of float32 summation order.
+Weights come from `hf_random.tiny_hf_model`, the one randomization every test uses.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import os
 
 import numpy as np
 
+from hf_random import tiny_hf_model
 from jaxllm.models.resolve import embedded_default_gguf
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.models.safetensors_io import save_file
@@ -39,23 +38,13 @@ def smollm2_tokenizer():
 def build_tiny_llama_dir(out_dir: str, tokenizer=None, seed: int = 0, **config_overrides) -> str:
     """Write a seeded tiny LlamaForCausalLM with the SmolLM2 tokenizer into `out_dir`
     (config_overrides replace TINY_CONFIG entries, e.g. head_dim=64 for the Pallas kernel)."""
-    import torch
-    import transformers
-
     tokenizer = tokenizer if tokenizer is not None else smollm2_tokenizer()
     os.makedirs(out_dir, exist_ok=True)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, **{**TINY_CONFIG, **config_overrides})
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.data.normal_(1.0, 0.1)
-            else:
-                p.data.normal_(0.0, 0.15)
+    model = tiny_hf_model("LlamaConfig", "LlamaForCausalLM", seed, vocab_size=len(tokenizer),
+                          bos_token_id=tokenizer.bos_token_id,
+                          eos_token_id=tokenizer.eos_token_id,
+                          **{**TINY_CONFIG, **config_overrides})
+    config = model.config
     state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
     save_file(state, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:

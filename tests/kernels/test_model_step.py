@@ -21,7 +21,7 @@ from jaxllm.kernels import tuning
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.runner.buckets import BucketConfig
-from jaxllm.runner.step import abstract_metadata, make_step_fn
+from jaxllm.runner.step import abstract_inputs, make_step_fn
 from engine_e2e.tiny_model import build_tiny_llama_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -59,8 +59,11 @@ def _step_specs(cfg: ModelConfig, T, S, W, num_blocks, dtype):
     graphdef, state = nnx.split(model)
     cache = jax.ShapeDtypeStruct((num_blocks, 16, cfg.num_key_value_heads, cfg.head_dim), dtype)
     caches = [(cache, cache) for _ in range(cfg.num_hidden_layers)]
-    md, logits_indices = abstract_metadata(T, S, W)
-    return make_step_fn(graphdef, "pallas"), (state, caches, md, logits_indices)
+    # [slots, max_model_len]: more slots than the bucket's S, as when a step runs fewer
+    # sequences than max_num_seqs (then a row gather is told apart from a full pass).
+    token_history = jax.ShapeDtypeStruct((S + 8, W * 16), jnp.int32)
+    return make_step_fn(graphdef, "pallas"), (state, caches, token_history,
+                                              *abstract_inputs(T, S, W))
 
 
 ENGINE_BUCKETS = BucketConfig.create(max_num_batched_tokens=256, max_num_seqs=32,
@@ -98,6 +101,7 @@ def _compile_step(monkeypatch, target, cfg, T, S, W, num_blocks):
     step, specs = _step_specs(cfg, T, S, W, num_blocks, jnp.bfloat16)
     result = gc.compile_for_target(step, specs, target)
     assert gc.full_cache_copies(result, specs[1]) == []
+    assert gc.full_cache_copies(result, [specs[2]]) == []  # the token history, too
     kernels = [k for k in result.kernels if k.name.startswith("ragged_paged")]
     assert len(kernels) == cfg.num_hidden_layers
     for k in kernels:

@@ -1,10 +1,11 @@
-"""Test helpers: a paged batch builder and the jitted model step, as the runner will use them.
+"""Test helpers: paged batches and the jitted model step, as the runner uses them.
 
 Owns: turning per-sequence (new tokens, cached length, physical blocks) into one packed,
-padded AttentionMetadata; a shuffled block pool so block tables are non-contiguous and
-non-monotonic; NaN-filled KV caches (attention must never read an unwritten slot); and a
-step jitted over (graphdef, state) with the caches donated; tiny randomized HF reference
-models (torch imported lazily). Never compares numbers: the test modules own tolerances.
+padded AttentionMetadata through the runner's own packer; a shuffled block pool so block
+tables are non-contiguous and non-monotonic; NaN-filled KV caches (attention must never read
+an unwritten slot); and a step jitted over (graphdef, state) with the caches donated. Tiny
+random HF reference models come from `hf_random` (torch imported lazily). Never compares
+numbers: the test modules own tolerances.
 
 Packed layout, T = 16 rows, S = 4 sequences (2 real):
 
@@ -25,8 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hf_random import tiny_hf_model  # noqa: F401  (re-exported for the model tests)
+from jaxllm.messages import NewRequestData, SchedulerOutput
 from jaxllm.models.base import AttentionMetadata, KVCache
 from jaxllm.models.config import ModelConfig
+from jaxllm.runner.buckets import BucketConfig
+from jaxllm.runner.input_batch import InputBatch
+from jaxllm.sampling_params import SamplingParams
 
 NULL_BLOCK = 0
 
@@ -61,51 +67,39 @@ class PagedSequence:
 def build_metadata(new_token_ids: Sequence[Sequence[int]], num_cached: Sequence[int],
                    block_ids: Sequence[Sequence[int]], *, block_size: int, max_blocks: int,
                    num_tokens_padded: int, num_seqs_padded: int) -> AttentionMetadata:
-    """Pack sequences' new tokens into one [T] batch with T, S padded to the given buckets.
+    """Pack sequences' new tokens into one [T] batch with T, S padded to the given buckets,
+    through the runner's own packer (`InputBatch.prepare`).
 
     Sequence s feeds `new_token_ids[s]` at positions num_cached[s].., its K/V going to the
     slots of `block_ids[s]` (its logical-to-physical block table)."""
     S_real = len(new_token_ids)
-    q_lens = [len(t) for t in new_token_ids]
-    T_real = sum(q_lens)
     if not (len(num_cached) == len(block_ids) == S_real):
         raise ValueError("new_token_ids, num_cached and block_ids need one entry per sequence")
-    if T_real > num_tokens_padded or S_real > num_seqs_padded:
-        raise ValueError(f"{T_real} tokens / {S_real} seqs do not fit the bucket "
-                         f"({num_tokens_padded}, {num_seqs_padded})")
-
-    input_ids = np.zeros(num_tokens_padded, np.int32)
-    positions = np.zeros(num_tokens_padded, np.int32)
-    # Padding rows write their (garbage) K/V into the null block, spread over its slots.
-    slot_mapping = np.arange(num_tokens_padded, dtype=np.int32) % block_size
-    block_tables = np.full((num_seqs_padded, max_blocks), NULL_BLOCK, np.int32)
-    seq_lens = np.zeros(num_seqs_padded, np.int32)
-    query_start_loc = np.full(num_seqs_padded + 1, T_real, np.int32)
-
-    row = 0
     for s, (tokens, cached, blocks) in enumerate(zip(new_token_ids, num_cached, block_ids)):
-        total = cached + len(tokens)
-        if len(blocks) * block_size < total or len(blocks) > max_blocks:
-            raise ValueError(f"seq {s}: {len(blocks)} blocks for {total} tokens "
+        if len(blocks) * block_size < cached + len(tokens) or len(blocks) > max_blocks:
+            raise ValueError(f"seq {s}: {len(blocks)} blocks for {cached + len(tokens)} tokens "
                              f"(block_size {block_size}, max_blocks {max_blocks})")
         if NULL_BLOCK in blocks:
             raise ValueError(f"seq {s}: the null block {NULL_BLOCK} is not allocatable")
-        pos = np.arange(cached, total, dtype=np.int32)
-        blocks_arr = np.asarray(blocks, np.int32)
-        query_start_loc[s] = row
-        input_ids[row: row + len(tokens)] = tokens
-        positions[row: row + len(tokens)] = pos
-        slot_mapping[row: row + len(tokens)] = blocks_arr[pos // block_size] * block_size + \
-            pos % block_size
-        block_tables[s, :len(blocks)] = blocks_arr
-        seq_lens[s] = total
-        row += len(tokens)
-
-    return AttentionMetadata(
-        input_ids=jnp.asarray(input_ids), positions=jnp.asarray(positions),
-        slot_mapping=jnp.asarray(slot_mapping), block_tables=jnp.asarray(block_tables),
-        seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(query_start_loc),
-        num_seqs=jnp.asarray(S_real, jnp.int32))
+    params = SamplingParams(temperature=0.0, seed=0)
+    # The cached tokens' ids are never read (their K/V is in the cache): zeros stand in.
+    new = [NewRequestData(str(s), [0] * cached + list(tokens), [], params, list(blocks), cached)
+           for s, (tokens, cached, blocks) in enumerate(zip(new_token_ids, num_cached,
+                                                           block_ids))]
+    num = {str(s): len(t) for s, t in enumerate(new_token_ids)}
+    so = SchedulerOutput(new, [], num, sum(num.values()), set(), set())
+    batch = InputBatch(max(num_seqs_padded, S_real), max_blocks * block_size, max_blocks,
+                       block_size, eos_token_ids=[])
+    batch.update_states(so)
+    try:
+        host = batch.prepare(so, BucketConfig((num_tokens_padded,), num_seqs_padded,
+                                              (max_blocks,)))
+    except (AssertionError, ValueError) as e:
+        raise ValueError(f"{sum(num.values())} tokens / {S_real} seqs do not fit the bucket "
+                         f"({num_tokens_padded}, {num_seqs_padded})") from e
+    return jax.tree.map(jnp.asarray, AttentionMetadata(
+        host.input_ids, host.positions, host.slot_mapping, host.block_tables, host.seq_lens,
+        host.query_start_loc, host.num_seqs))
 
 
 def nan_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
@@ -146,25 +140,6 @@ def prefill_logits(model, cfg: ModelConfig, token_ids: Sequence[int], *, block_s
 
 
 # ---- HF reference models (PyTorch CPU, float32) ---------------------------------------------
-
-def tiny_hf_model(config_cls_name: str, arch: str, seed: int, **config_kwargs):
-    """A transformers model with every parameter random (HF zero-inits biases and sets norms
-    to one, which would hide a missing bias or norm). Norm weights stay near one."""
-    import torch
-    import transformers
-
-    hf_cfg = getattr(transformers, config_cls_name)(attn_implementation="eager", **config_kwargs)
-    hf_cfg.architectures = [arch]
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.data.normal_(1.0, 0.1)
-            else:
-                p.data.normal_(0.0, 0.1)
-    return model
-
 
 def hf_numpy_state(model) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}

@@ -44,8 +44,8 @@ def test_megatron_layout():
 
 
 _SCRIPT = textwrap.dedent("""
-    import jax, jax.numpy as jnp, numpy as np, sys
-    sys.path.insert(0, {helpers!r})
+    import jax, jax.numpy as jnp, numpy as np, os, sys
+    sys.path[:0] = [{helpers!r}, os.path.dirname({helpers!r})]
     from helpers import tiny_hf_model, hf_numpy_state, prefill_logits
     from jaxllm.models.config import ModelConfig
     from jaxllm.models.sharding import make_mesh, param_sharding

@@ -1,5 +1,6 @@
 """The jitted sampler: exact checks against argmax / numpy, seeded reproducibility, padding,
-logprobs, and sampling frequencies. Most tests share S=4, V=32 so the jit cache is reused."""
+logprobs, and sampling frequencies. Most tests share S=4, V=32 so one compiled program serves
+every mix of parameters (the sampler has no static variants)."""
 
 import collections
 
@@ -8,12 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.engine.logprobs import LogprobsLists
+from jaxllm.messages import LogprobsLists
 from jaxllm.runner.sampler import (apply_penalties, apply_top_k_top_p, logprobs_lists,
                                    prompt_logprobs_jit, sample_jit)
-from jaxllm.runner.sampling_metadata import (SampleMode, SamplerVariant, SamplingRow,
-                                             build_sampling_metadata, dummy_sampling_metadata,
-                                             request_seed, sampler_variants)
+from jaxllm.runner.sampling_metadata import (SamplingRow, build_sampling_metadata,
+                                             dummy_sampling_metadata, request_seed)
 from jaxllm.sampling_params import SamplingParams
 
 S, V, L = 4, 32, 16
@@ -40,9 +40,9 @@ def run(rows, logits, num_seqs_padded=S):
 def test_greedy_is_argmax():
     logits = make_logits(0)
     md, out = run([row(temperature=0.0) for _ in range(3)], logits)
-    assert md.variant == SamplerVariant(SampleMode.GREEDY)
     np.testing.assert_array_equal(out.sampled_token_ids[:3], logits[:3].argmax(-1))
-    assert out.logprobs is None
+    # No row asked for logprobs: the branch that computes them did not run.
+    assert not out.logprobs.topk_logprobs.any() and not out.logprobs.selected_ranks.any()
 
 
 @pytest.mark.parametrize("step", [0, 1, 7])
@@ -53,7 +53,6 @@ def test_top_k_1_and_tiny_top_p_are_greedy(step):
             row(seed=13, output=output, temperature=0.0), row(seed=14, output=output, top_k=1,
                                                               top_p=1e-6, temperature=2.0)]
     md, out = run(rows, logits)
-    assert md.variant.mode == SampleMode.RANDOM_TOP_K_TOP_P
     np.testing.assert_array_equal(out.sampled_token_ids, logits.argmax(-1))
 
 
@@ -91,7 +90,6 @@ def test_min_p_keeps_only_tokens_near_the_top():
     for step in range(25):
         rows = [row(seed=s, output=[9] * step, min_p=0.5) for s in range(S)]
         md, out = run(rows, logits)
-        assert md.variant.mode == SampleMode.RANDOM
         seen.update(out.sampled_token_ids.tolist())
     assert set(seen) <= allowed and len(seen) > 1
 
@@ -113,7 +111,6 @@ def test_penalties_match_numpy():
              dict(prompt=[7, 8], output=[8, 9, 9], presence_penalty=-1.5, frequency_penalty=2.0)]
     rows = [row(prompt=c.pop("prompt"), output=c.pop("output"), **c) for c in cases]
     md = build_sampling_metadata(rows, num_seqs_padded=S, eos_token_ids=[EOS], max_model_len=L)
-    assert md.variant.do_penalties
     got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), md.penalties))
     for i, r in enumerate(rows):
         p = r.params
@@ -178,26 +175,22 @@ def test_same_engine_seed_same_run():
     assert generate(0) != generate(1)
 
 
-def test_every_variant_precompiles_and_padding_is_harmless():
+def test_one_program_serves_every_mix_and_padding_is_harmless():
     logits = np.zeros((S, V), np.float32)
     logits[1, 3] = 1e4  # extreme, finite values must not make NaN either
     logits[2] = -1e4
-    for variant in sampler_variants():
-        md = dummy_sampling_metadata(S, variant, max_model_len=L)
-        out = jax.device_get(sample_jit(jnp.asarray(logits), md))
-        assert out.sampled_token_ids.shape == (S,)
-        assert ((0 <= out.sampled_token_ids) & (out.sampled_token_ids < V)).all()
-        if variant.do_logprobs:
-            assert all(np.isfinite(a).all() for a in jax.tree.leaves(out.logprobs))
-        else:
-            assert out.logprobs is None
-    assert len(sampler_variants()) == 12
+    out = jax.device_get(sample_jit(jnp.asarray(logits), dummy_sampling_metadata(S, L)))
+    assert out.sampled_token_ids.shape == (S,)
+    assert ((0 <= out.sampled_token_ids) & (out.sampled_token_ids < V)).all()
     compiled = sample_jit._cache_size()
     batches = [[row(temperature=0.0)], [row(temperature=0.5, logprobs=2)],
                [row(top_k=3, repetition_penalty=1.2)], [row(top_p=0.9, presence_penalty=1.0,
-                                                            logprobs=0)]]
+                                                            logprobs=0)],
+               [row(min_p=0.2, min_tokens=3, stop_token_ids=[4], frequency_penalty=-1.0)]]
     for rows in batches:
-        run(rows, make_logits(4))
+        _, out = run(rows, logits)
+        assert ((0 <= out.sampled_token_ids) & (out.sampled_token_ids < V)).all()
+        assert all(np.isfinite(a).all() for a in jax.tree.leaves(out.logprobs))
     assert sample_jit._cache_size() == compiled  # serving never compiles again
 
 
@@ -211,7 +204,6 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     rows = [row(seed=1, temperature=0.7, logprobs=5, repetition_penalty=1.5, output=[1, 2]),
             row(seed=2, temperature=0.0, logprobs=0), row(seed=3, temperature=1.5, logprobs=20)]
     md, out = run(rows, logits)
-    assert md.variant == SamplerVariant(SampleMode.RANDOM, True, True)
     want = log_softmax_numpy(logits)
     lp = out.logprobs
     order = np.argsort(-want, axis=-1)[:, :20]
@@ -264,9 +256,7 @@ def expected_probs(x, temperature, top_k=0, top_p=1.0):
 def test_sampling_frequencies(temperature, top_k, top_p):
     num_draws, vocab = 2048, 8
     x = np.array([1.0, 0.5, 0.2, 0.0, -0.5, -1.0, 0.3, 0.9], np.float32)
-    variant = SamplerVariant(SampleMode.RANDOM_TOP_K_TOP_P if top_k or top_p < 1 else
-                             SampleMode.RANDOM)
-    md = dummy_sampling_metadata(num_draws, variant, max_model_len=L)
+    md = dummy_sampling_metadata(num_draws, max_model_len=L)
     md.temperature[:] = temperature
     md.top_k[:] = top_k
     md.top_p[:] = top_p

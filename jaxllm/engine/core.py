@@ -1,0 +1,124 @@
+"""EngineCore: the scheduler and the runner, and the step loop between them.
+
+Owns `step()` (schedule, execute, update), in two modes, and what happens when a step fails.
+Takes `EngineCoreRequest`s, gives back `EngineCoreOutput`s; never tokenizes, detokenizes or
+builds user-facing outputs (that is the front end's), and never validates user input.
+
+Synchronous (async_scheduling=False): each step is scheduled, run and folded back before the
+next is scheduled.
+
+Async (async_scheduling=True, vLLM's async scheduler): step N+1 is scheduled and dispatched
+before step N's sampled tokens reach the host, so the host's scheduling, packing and output
+processing overlap the device. Placeholder tokens are fed on the device (runner/step.py).
+
+    call k:    schedule N+1 | dispatch N+1 | fetch N (wait) | update from N -> outputs of N
+    device:    ....... N ........ | ........ N+1 ........
+
+A step that raises fails the requests it carried, not the engine: they finish with
+finish_reason "error", their blocks are freed, and the exception reaches the caller with the
+failed request ids attached. Everything else keeps running.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.messages import EngineCoreOutput, EngineCoreRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class StepFailed(RuntimeError):
+    """A step raised: `outputs` are the final (finish_reason "error") outputs of the requests
+    it carried; `__cause__` is the original exception."""
+
+    def __init__(self, outputs: list[EngineCoreOutput], cause: BaseException):
+        ids = [o.req_id for o in outputs]
+        super().__init__(f"a model step failed ({type(cause).__name__}: {cause}); requests "
+                         f"finished with an error: {ids}")
+        self.outputs = outputs
+        self.req_ids = ids
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner, async_scheduling: bool = False):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.async_scheduling = async_scheduling
+        # Async mode: dispatched steps whose outputs are not folded back yet (at most 2).
+        self._in_flight: collections.deque = collections.deque()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids,
+                                           request.sampling_params, request.eos_token_id,
+                                           request.arrival_time))
+
+    def abort_requests(self, req_ids) -> None:
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids, status: RequestStatus) -> None:
+        self.scheduler.finish_requests(req_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        # A step in flight whose requests all finished since (aborted, failed) has nothing
+        # left to deliver: forget it rather than wait for it.
+        live = self.scheduler.requests
+        while self._in_flight and not any(r in live for r in
+                                           self._in_flight[0][0].num_scheduled_tokens):
+            self._in_flight.popleft()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        if self.async_scheduling:
+            return self._step_async()
+        so = self.scheduler.schedule()
+        try:
+            runner_output = self.runner.execute_model(so)
+        except Exception as e:
+            raise self._fail(so, e) from e
+        return self.scheduler.update_from_output(so, runner_output)
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        try:
+            pending = self.runner.dispatch(so)
+        except Exception as e:
+            raise self._fail(so, e) from e
+        if pending is not None:
+            self._in_flight.append((so, pending))
+        if not self._in_flight or (pending is not None and len(self._in_flight) < 2):
+            return []  # keep one step in flight; nothing is due yet
+        so, pending = self._in_flight.popleft()
+        try:
+            runner_output = self.runner.fetch(pending)
+        except Exception as e:
+            raise self._fail(so, e) from e
+        return self.scheduler.update_from_output(so, runner_output)
+
+    def _fail(self, so: SchedulerOutput, cause: BaseException) -> StepFailed:
+        """Finish the failed step's requests with an error and make the engine usable again."""
+        failed = list(so.num_scheduled_tokens)
+        if self._in_flight and not self.runner.device_state_ok():
+            # The device state was consumed by the failed computation: steps still in flight
+            # read it too, so their requests fail with it.
+            for other, _ in self._in_flight:
+                failed += [r for r in other.num_scheduled_tokens if r not in failed]
+            self._in_flight.clear()
+        outputs = self.scheduler.fail_requests(failed)
+        if not self.runner.device_state_ok():
+            # The KV cache and token history are gone: start them over and let every
+            # request still running recompute what it had (as after a preemption).
+            logger.warning("resetting the KV cache after a failed step; %d running requests "
+                           "will recompute", len(self.scheduler.running))
+            self.runner.reset_device_state()
+            self.scheduler.preempt_all()
+        logger.error("step failed (%s: %s); finished with an error: %s", type(cause).__name__,
+                     cause, [o.req_id for o in outputs])
+        return StepFailed(outputs, cause)

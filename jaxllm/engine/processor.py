@@ -1,0 +1,257 @@
+"""Input processing: what users pass -> validated, tokenized `EngineCoreRequest`s.
+
+Owns the prompt forms (a string, a {"prompt"} or {"prompt_token_ids"} dict, the older
+`prompt_token_ids=` keyword), chat templates and the checks on chat messages, every
+admission check (types and ranges, vocabulary, lengths, the engine's caps), and the `n`
+fan-out into child requests with their seeds. Shared by `LLM`, `LLMEngine` and the async
+front ends. Never schedules, never touches a device: everything it rejects is rejected
+before anything is queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jaxllm.messages import EngineCoreRequest
+from jaxllm.runner.sampling_metadata import banned_until_min_tokens, request_seed
+from jaxllm.sampling_params import SamplingParams
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptInput:
+    """One prompt as the user gave it: text, token ids, or both."""
+
+    text: str | None
+    token_ids: list[int] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessedRequest:
+    """A validated request before its ids and seeds are drawn (so a rejected batch draws
+    none)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # the checked copy; the user's object is never touched
+
+
+@dataclasses.dataclass(frozen=True)
+class FanOut:
+    """A request as the user sees it, with its `n` children (ids `"{index}_{request_id}"`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[EngineCoreRequest]
+
+
+def parse_prompts(prompts, prompt_token_ids=None) -> list[PromptInput]:
+    if prompts is None and prompt_token_ids is None:
+        raise ValueError("Either prompts or prompt_token_ids must be provided")
+    if prompts is None:
+        return [PromptInput(None, _token_list(ids, "prompt_token_ids"))
+                for ids in _as_list(prompt_token_ids, "prompt_token_ids")]
+    if prompt_token_ids is not None:
+        raise ValueError("Pass either prompts or prompt_token_ids, not both")
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    return [parse_prompt(p) for p in _as_list(prompts, "prompts")]
+
+
+def parse_prompt(prompt) -> PromptInput:
+    if isinstance(prompt, str):
+        return PromptInput(prompt, None)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"prompt must be a str, got {type(text).__name__}")
+        return PromptInput(text, _token_list(prompt["prompt_token_ids"], "prompt_token_ids"))
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompt must be a str, got {type(prompt['prompt']).__name__}")
+        return PromptInput(prompt["prompt"], None)
+    raise ValueError("each prompt must be a str, or a dict with 'prompt' or "
+                     f"'prompt_token_ids'; got {type(prompt).__name__}")
+
+
+def broadcast_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if isinstance(sampling_params, (str, bytes, dict)) or not isinstance(
+            sampling_params, Sequence):
+        raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                         f"{type(sampling_params).__name__}")
+    params = list(sampling_params)
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got "
+                             f"{type(p).__name__}")
+    if len(params) != num_prompts:
+        raise ValueError(f"The lengths of prompts ({num_prompts}) and sampling_params "
+                         f"({len(params)}) must be the same.")
+    return params
+
+
+def check_conversation(conversation: Any, index: int = 0) -> None:
+    """A chat is a list of {"role", "content"} dicts with a known role and text content (a
+    string, or OpenAI's list of {"type": "text", "text"} parts)."""
+    where = f"conversation {index}"
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ValueError(f"{where} must be a non-empty list of messages, got "
+                         f"{type(conversation).__name__}")
+    for j, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}, message {j} must be a dict with 'role' and 'content', "
+                             f"got {type(message).__name__}")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{where}, message {j}: role must be one of {CHAT_ROLES}, got "
+                             f"{role!r}")
+        content = message.get("content")
+        if role == "assistant" and content is None and message.get("tool_calls"):
+            continue
+        if isinstance(content, str):
+            continue
+        if isinstance(content, list) and all(
+                isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str) for part in content):
+            continue
+        raise ValueError(f"{where}, message {j}: content must be a string or a list of "
+                         f"{{'type': 'text', 'text': str}} parts, got {content!r:.80}")
+
+
+def _as_list(value, name: str) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _token_list(ids, name: str) -> list[int]:
+    ids = _as_list(ids, name)
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            # numpy integers are ints too, as far as users are concerned
+            if type(t).__module__ == "numpy" and hasattr(t, "dtype") and t.dtype.kind in "iu":
+                continue
+            raise ValueError(f"{name} must contain only ints; got {type(t).__name__} "
+                             f"{t!r:.40} at index {i}")
+    return [int(t) for t in ids]
+
+
+class Processor:
+    """Validation, tokenization and fan-out for one engine (its tokenizer and limits)."""
+
+    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
+                 eos_token_id: int | None, extra_eos_ids: Sequence[int], engine_seed: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.eos_token_id = eos_token_id
+        self.extra_eos_ids = list(extra_eos_ids)
+        self.eos_token_ids = [t for t in [eos_token_id, *extra_eos_ids] if t is not None]
+        self.engine_seed = engine_seed
+        self._request_counter = itertools.count()
+        self._seed_counter = itertools.count()
+
+    # ---- prompts -------------------------------------------------------------------------
+
+    def render_chat(self, conversations, chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False
+                    ) -> list[PromptInput]:
+        """One conversation (a list of messages) or a list of them -> prompts."""
+        if (isinstance(conversations, (list, tuple)) and conversations
+                and isinstance(conversations[0], dict)):
+            conversations = [conversations]
+        conversations = _as_list(conversations, "messages")
+        for i, conv in enumerate(conversations):
+            check_conversation(conv, i)
+        prompts = []
+        for i, conv in enumerate(conversations):
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    list(conv), chat_template=chat_template, tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message)
+            except Exception as e:  # jinja errors and template-raised exceptions
+                raise ValueError(f"the chat template failed on conversation {i}: "
+                                 f"{type(e).__name__}: {e}") from e
+            # The template already holds any BOS; tokenizing must not add a second one.
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompts.append(PromptInput(text, ids))
+        return prompts
+
+    def process(self, prompt: PromptInput, params: SamplingParams) -> ProcessedRequest:
+        """Tokenize and check one request; raises ValueError naming what is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
+        ids = prompt.token_ids
+        if ids is None:
+            ids = self.tokenizer(prompt.text)["input_ids"]
+        self.check_prompt(ids)
+        return ProcessedRequest(prompt.text, list(ids), self.check_params(params))
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the "
+                f"maximum model length of {self.max_model_len}.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary: prompt_token_ids must "
+                             f"be in [0, {self.vocab_size})")
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """The checked copy this request will run with."""
+        params = params.checked_clone()
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"Requested {name} of {k}, which is greater than max allowed: "
+                                 f"{self.max_logprobs}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[0]}")
+        banned_until_min_tokens(params, self.eos_token_ids)  # raises past the sampler's width
+        return params
+
+    # ---- ids, seeds and the n fan-out ------------------------------------------------------
+
+    def fan_out(self, request: ProcessedRequest, request_id: str | None = None,
+                arrival_time: float | None = None) -> FanOut:
+        """Draw the request id (if not given) and each child's seed: call only once every
+        request of a batch has passed `process`."""
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        params = request.params
+        now = arrival_time if arrival_time is not None else time.time()
+        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        children = [EngineCoreRequest(child_id, request.prompt_token_ids,
+                                      self._child_params(params, i), self.eos_token_id, now)
+                    for i, child_id in enumerate(ids)]
+        return FanOut(request_id, request.prompt, request.prompt_token_ids, params, children)
+
+    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        p = params.clone()
+        # Every sequence gets a concrete seed: its own (shifted per child, so n > 1 samples
+        # differ) or one derived from the engine seed, so a whole run is reproducible.
+        if params.seed is not None:
+            p.seed = params.seed + index
+        else:
+            p.seed = request_seed(self.engine_seed, next(self._seed_counter))
+        if not p.ignore_eos and self.extra_eos_ids:
+            p.stop_token_ids = list(dict.fromkeys([*p.stop_token_ids, *self.extra_eos_ids]))
+        return p
