@@ -298,7 +298,8 @@ def kernel_problems(result: GpuCompileResult, kernel: KernelStats, *,
 # ------------------------------------------------------------ full-cache copy in a model step
 
 _HLO_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64",
-               "int8": "s8", "uint8": "u8", "int32": "s32", "float8_e4m3fn": "f8e4m3fn",
+               "int8": "s8", "uint8": "u8", "int16": "s16", "uint16": "u16", "int32": "s32",
+               "float8_e4m3fn": "f8e4m3fn",
                "float8_e5m2": "f8e5m2"}
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*)$")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")

@@ -78,7 +78,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     ends = jnp.where(seq_ok, query_start_loc[1:], jnp.iinfo(jnp.int32).max)  # [S]
     is_decode = q_lens <= DECODE_MAX_Q
 
-    cache = _Cache(k_cache, v_cache, block_tables, sm_scale)
+    cache = _Cache(k_cache, v_cache, block_tables, sm_scale, q.dtype)
     q_TNH = q.astype(jnp.float32)
     out_TNH = _decode_rows(cache, q_TNH, seq_lens, query_start_loc, ends,
                            jnp.where(is_decode, q_lens, 0), chunk=decode_chunk,
@@ -92,8 +92,11 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
 class _Cache:
     """The paged caches as rows [slots, K, H], and the gather of a chunk of slots."""
 
-    def __init__(self, k_cache, v_cache, block_tables, sm_scale):
+    def __init__(self, k_cache, v_cache, block_tables, sm_scale, q_dtype):
         B, P, K, H = k_cache.shape
+        # A uint16 cache holds q_dtype (16-bit float) bits: the engine stores bf16 caches so
+        # on CPU, where XLA has no bf16 scatter (models/layers.py kv_storage_dtype).
+        self.bits_of = q_dtype if k_cache.dtype == jnp.uint16 else None
         self.k_rows = k_cache.reshape(B * P, K, H)
         self.v_rows = v_cache.reshape(B * P, K, H)
         self.block_size, self.sm_scale = P, sm_scale
@@ -112,12 +115,18 @@ class _Cache:
         def rows(slot):
             # Arithmetic roots vectorise the gather loops (see the module notes).
             one = (slot.reshape(-1)[0] >= 0).astype(jnp.float32)
-            k = _gather_rows(self.k_rows, slot).astype(jnp.float32) * self.sm_scale
-            v = _gather_rows(self.v_rows, slot).astype(jnp.float32) * one
+            k = self._floats(_gather_rows(self.k_rows, slot)) * self.sm_scale
+            v = self._floats(_gather_rows(self.v_rows, slot)) * one
             return k, v
 
         # Always true, but not provably so: keeps a bf16 -> f32 convert inside the branch.
         return jax.lax.cond(slot.reshape(-1)[0] >= 0, rows, _zeros_like_rows(rows), slot)
+
+
+    def _floats(self, rows):
+        if self.bits_of is not None:
+            rows = jax.lax.bitcast_convert_type(rows, self.bits_of)
+        return rows.astype(jnp.float32)
 
 
 def _zeros_like_rows(fn):

@@ -24,7 +24,7 @@ _SCRIPT = textwrap.dedent("""
     runs = {{}}
     for tp in (1, 2):
         llm = LLM(d, tensor_parallel_size=tp, max_num_seqs=4, max_num_batched_tokens=32,
-                  max_model_len=64, use_tqdm_on_load=False)
+                  max_model_len=64, use_tqdm_on_load=False, dtype="float32")
         runner = llm.llm_engine.runner
         before = runner.num_compiles
         outs = llm.generate(prompts, [greedy, seeded, greedy], use_tqdm=False)

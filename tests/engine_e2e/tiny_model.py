@@ -58,8 +58,11 @@ def build_tiny_llama_dir(out_dir: str, tokenizer=None, seed: int = 0, **config_o
 
 # ---- small helpers shared by the test modules ------------------------------------------
 
+# float32: these tests compare tokens across batch compositions and against HF float32, which
+# only an exact dtype can promise (dtype="auto" is bfloat16 on CPUs with bf16 matrix units;
+# the bf16 path has its own tests).
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, enforce_eager=True,
-             use_tqdm_on_load=False)
+             use_tqdm_on_load=False, dtype="float32")
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -73,6 +76,6 @@ def token_ids(outputs) -> list[list[int]]:
 
 
 def metric_values(llm) -> dict[str, float]:
-    """name -> value, for the metrics without labels beyond the model name."""
+    """name -> value, for the counters and gauges without labels beyond the model name."""
     return {m.name: m.value for m in llm.get_metrics()
-            if set(m.labels) == {"model_name"}}
+            if set(m.labels) == {"model_name"} and hasattr(m, "value")}

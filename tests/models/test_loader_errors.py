@@ -404,7 +404,9 @@ def test_gguf_metadata_problems_name_file_and_key(tmp_path, override, message):
 def LLM(*args, **kwargs):  # noqa: N802  (imported late: the engine is not what most tests load)
     from jaxllm import LLM as _LLM
 
-    return _LLM(*args, **kwargs)
+    # float32: the messages below count bytes per block, which "auto" would halve on a CPU
+    # with bf16 matrix units.
+    return _LLM(*args, **{"dtype": "float32", **kwargs})
 
 
 def test_llm_names_a_truncated_config_json(hf_model, state, tmp_path):
