@@ -1,12 +1,22 @@
-"""Shared pytest setup: run JAX on CPU unless told otherwise.
+"""Shared pytest setup: run JAX on CPU unless told otherwise, and keep jaxllm's caches inside
+this test session.
 
 Set before anything imports jax: the platform is fixed at jax's first backend use, and a CUDA
 plugin is installed on machines without a GPU. No x64: the model runs in f32/bf16 as served.
+jaxllm caches compiled steps and converted GGUF copies under the user's cache directory by
+default; the tests point JAXLLM_CACHE_DIR at a fresh temporary directory instead, so they
+never read anything a previous run (or the user) left outside the repository.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_CACHE = tempfile.mkdtemp(prefix="jaxllm-test-cache-")
+os.environ["JAXLLM_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 import pytest  # noqa: E402
 

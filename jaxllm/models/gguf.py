@@ -147,8 +147,9 @@ def iter_gguf_tensors(reader, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
         yield name, w
 
 
-def load_gguf(path: str, dtype, sharding=None, reader=None):
-    """-> (model, ModelConfig, generation_config dict)."""
+def load_gguf(path: str, dtype, sharding=None, reader=None, tee=None):
+    """-> (model, ModelConfig, generation_config dict). `tee`: a generator function the
+    (hf_name, array) tensors pass through on their way to the model (the converter)."""
     from jaxllm.models.config import ModelConfig
     from jaxllm.models.weights import load_params
 
@@ -159,5 +160,6 @@ def load_gguf(path: str, dtype, sharding=None, reader=None):
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     gen = {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": hf_cfg["eos_token_id"]}
-    model = load_params(cfg, iter_gguf_tensors(reader, hf_cfg), dtype, sharding)
+    tensors = iter_gguf_tensors(reader, hf_cfg)
+    model = load_params(cfg, tee(tensors) if tee else tensors, dtype, sharding)
     return model, cfg, gen

@@ -101,14 +101,19 @@ def iter_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
             yield name, raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
+def dtype_name(dtype) -> str:
+    """The safetensors name ("BF16", "F32", ...) of a numpy dtype."""
+    names = {np.dtype(v): k for k, v in _DTYPES.items()}
+    return names[np.dtype(dtype)]
+
+
 def save_file(tensors: dict[str, np.ndarray], path: str) -> None:
     """Write a safetensors file (used by tests to build HF directories)."""
-    names = {np.dtype(v): k for k, v in _DTYPES.items()}
     header, offset, blobs = {}, 0, []
     for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr)
         blob = arr.tobytes()
-        header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape),
+        header[name] = {"dtype": dtype_name(arr.dtype), "shape": list(arr.shape),
                         "data_offsets": [offset, offset + len(blob)]}
         offset += len(blob)
         blobs.append(blob)

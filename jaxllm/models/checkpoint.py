@@ -1,0 +1,41 @@
+"""Resolved checkpoint -> (model, ModelConfig, generation config, tokenizer), the one load path.
+
+Owns the order: a GGUF converted earlier (models/gguf_cache.py) loads like an HF directory,
+in a fraction of the time; a GGUF seen for the first time is parsed once (weights and
+tokenizer share the parse) and converted on the way; an HF directory loads as is. Never
+decides the dtype or the sharding: the engine passes them.
+"""
+
+from __future__ import annotations
+
+from jaxllm.models.gguf import gguf_to_hf_config, load_gguf, open_gguf
+from jaxllm.models.gguf_cache import ConvertedWriter, find_converted
+from jaxllm.models.resolve import ResolvedModel
+from jaxllm.models.weights import load_hf_dir
+from jaxllm.tokenizer import get_tokenizer, tokenizer_from_gguf
+
+
+def load_checkpoint(resolved: ResolvedModel, dtype, *, sharding=None,
+                    tokenizer: str | None = None, use_cache: bool = True):
+    """-> (model, ModelConfig, generation config dict, tokenizer). `tokenizer` names another
+    tokenizer to use; `use_cache` reads and writes converted GGUF copies."""
+    if resolved.kind != "gguf":
+        model, cfg, gen = load_hf_dir(resolved.path, dtype, sharding)
+        return model, cfg, gen, get_tokenizer(tokenizer or resolved.path)
+    converted = find_converted(resolved.path, dtype) if use_cache else None
+    if converted is not None:
+        model, cfg, gen = load_hf_dir(converted, dtype, sharding)
+        return model, cfg, gen, get_tokenizer(tokenizer or converted)
+    reader = open_gguf(resolved.path)
+    writer = ConvertedWriter(resolved.path, dtype) if use_cache else None
+    try:
+        model, cfg, gen = load_gguf(resolved.path, dtype, sharding, reader=reader,
+                                    tee=writer.tee if writer else None)
+        gguf_tokenizer = tokenizer_from_gguf(resolved.path, reader=reader)
+        if writer is not None:
+            writer.commit(gguf_to_hf_config(reader), gen, gguf_tokenizer)
+            writer = None
+    finally:
+        if writer is not None:
+            writer.abandon()
+    return model, cfg, gen, (get_tokenizer(tokenizer) if tokenizer else gguf_tokenizer)
