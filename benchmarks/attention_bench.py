@@ -1,10 +1,12 @@
-"""CPU attention: backend "xla" (kernels/xla_attention.py) against kernels/reference.py, both
-timed in the same run, in milliseconds per attention call of one layer (x30 for a SmolLM2 step).
+"""CPU attention: backends "cpu" (kernels/cpu_attention.py, C++ through XLA FFI) and "xla"
+(kernels/xla_attention.py) against kernels/reference.py, all timed in the same run, in
+milliseconds per attention call of one layer (x30 for a SmolLM2 step).
 
 Shapes are SmolLM2-135M's (9 query heads, 3 kv heads, head dim 64, block size 16, 30 layers).
-"xla" always gets the full block-table width W = 128 (2048 tokens): its cost must not depend on
-it. The reference gets the width the runner's buckets {4, 16, 64, 128} would give the batch,
-as today's engine runs it.
+"cpu" and "xla" always get the full block-table width W = 128 (2048 tokens): their cost must
+not depend on it. The reference gets the width the runner's buckets {4, 16, 64, 128} would give
+the batch. A bfloat16 cache is stored as uint16 bits, as the engine stores it on CPU
+(models/layers.py kv_storage_dtype); the reference reads real bf16.
 
 Roofline: the KV bytes of the batch (every sequence's K and V read once) over the read bandwidth
 measured here (a jitted sum over 1 GiB of f32, median of runs). "% roofline" is roofline time
@@ -12,6 +14,7 @@ over measured time, so 50% is the "within 2x" target.
 
     python benchmarks/attention_bench.py                   # every case, f32 and bf16
     python benchmarks/attention_bench.py --only decode64 --dtype float32 --repeats 9
+    python benchmarks/attention_bench.py --ref-repeats 0     # skip the (slow) reference
 
 What bounds "xla" on this 2-core machine (AMD EPYC, AVX-512; each timed in isolation):
   * Reading random 12 KB pages is latency-bound: a C loop with AVX-512 loads reads them at
@@ -43,7 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.kernels import reference, xla_attention  # noqa: E402
+from jaxllm.kernels import cpu_attention, reference, xla_attention  # noqa: E402
 
 N, K, H, P, LAYERS = 9, 3, 64, 16, 30
 W_FULL = 128
@@ -83,7 +86,8 @@ def cases() -> list[Case]:
     return out
 
 
-def make_inputs(case: Case, W: int, dtype, seed=0):
+def make_inputs(case: Case, W: int, dtype, seed=0, bits=False):
+    """`bits`: a 16-bit float cache as uint16 (the engine's CPU storage)."""
     rng = np.random.default_rng(seed)
     n = len(case.q_lens)
     seq_lens = np.zeros(case.S, np.int32)
@@ -99,6 +103,8 @@ def make_inputs(case: Case, W: int, dtype, seed=0):
     k = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
     v = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
     q = jnp.asarray(rng.standard_normal((case.T, N, H), np.float32), dtype)
+    if bits and jnp.dtype(dtype).itemsize == 2:
+        k, v = (jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (k, v))
     qsl = np.zeros(case.S + 1, np.int32)
     qsl[1:n + 1] = np.cumsum(case.q_lens)
     qsl[n + 1:] = qsl[n]
@@ -127,17 +133,22 @@ def main():
     ap.add_argument("--only", default="", help="run cases whose name contains this")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--ref-repeats", type=int, default=5)
+    ap.add_argument("--ref-repeats", type=int, default=5, help="0: skip the reference")
     args = ap.parse_args()
+    if not cpu_attention.availability():
+        raise SystemExit(f"backend cpu unavailable: {cpu_attention.availability().reason}")
 
     bw = read_bandwidth()
     print(f"read bandwidth (jitted sum over 1 GiB f32, median): {bw / 1e9:.1f} GB/s; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"cpu backend threads: {cpu_attention.num_threads()}")
     xla_fn = jax.jit(functools.partial(xla_attention.ragged_paged_attention, sm_scale=H ** -0.5))
+    cpu_fn = jax.jit(functools.partial(cpu_attention.ragged_paged_attention, sm_scale=H ** -0.5))
     ref_fn = jax.jit(functools.partial(reference.ragged_paged_attention, sm_scale=H ** -0.5))
     dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
-    print(f"{'case':30s} {'dtype':8s} {'KV MB':>7s} {'xla ms':>8s} {'x30':>7s} "
-          f"{'%roof':>6s} {'GB/s':>6s} {'ref W':>5s} {'ref ms':>8s} {'ref/xla':>7s}")
+    print(f"{'case':30s} {'dtype':8s} {'KV MB':>7s} {'roof ms':>7s} {'cpu ms':>7s} {'x30':>6s} "
+          f"{'%roof':>6s} {'GB/s':>5s} {'xla ms':>7s} {'%roof':>6s} {'xla/cpu':>7s} "
+          f"{'ref W':>5s} {'ref ms':>8s}")
     for case in cases():
         if args.only not in case.name:
             continue
@@ -146,12 +157,16 @@ def main():
         for dtype in dtypes:
             dt = jnp.dtype(dtype)
             kv_bytes = int(np.sum(case.seq_lens)) * K * H * 2 * dt.itemsize
-            t_xla = median_time(xla_fn, make_inputs(case, W_FULL, dt), args.repeats)
-            t_ref = median_time(ref_fn, make_inputs(case, ref_W, dt), args.ref_repeats)
-            print(f"{case.name:30s} {dtype:8s} {kv_bytes / 1e6:7.1f} {t_xla * 1e3:8.2f} "
-                  f"{t_xla * LAYERS * 1e3:7.0f} {100 * kv_bytes / bw / t_xla:5.0f}% "
-                  f"{kv_bytes / t_xla / 1e9:6.1f} {ref_W:5d} {t_ref * 1e3:8.2f} "
-                  f"{t_ref / t_xla:6.1f}x", flush=True)
+            inputs = make_inputs(case, W_FULL, dt, bits=True)
+            t_cpu = median_time(cpu_fn, inputs, args.repeats)
+            t_xla = median_time(xla_fn, inputs, args.repeats)
+            t_ref = (median_time(ref_fn, make_inputs(case, ref_W, dt), args.ref_repeats)
+                     if args.ref_repeats > 0 else float("nan"))
+            roof = kv_bytes / bw
+            print(f"{case.name:30s} {dtype:8s} {kv_bytes / 1e6:7.1f} {roof * 1e3:7.2f} "
+                  f"{t_cpu * 1e3:7.2f} {t_cpu * LAYERS * 1e3:6.0f} {100 * roof / t_cpu:5.0f}% "
+                  f"{kv_bytes / t_cpu / 1e9:5.1f} {t_xla * 1e3:7.2f} {100 * roof / t_xla:5.0f}% "
+                  f"{t_xla / t_cpu:6.1f}x {ref_W:5d} {t_ref * 1e3:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

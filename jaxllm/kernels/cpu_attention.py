@@ -1,0 +1,147 @@
+"""Ragged paged attention as a C++ XLA FFI call on CPU (backend "cpu").
+
+Owns: loading the library built from kernels/csrc (setup.py), registering its handler with
+XLA once, and `ragged_paged_attention`, a validated wrapper with the signature and semantics
+of kernels/reference.py. `availability()` says whether the library loaded, and why not.
+Must never: be chosen when the library is missing (kernels/__init__.py falls back to "xla");
+be used under tensor parallelism (an FFI custom call is opaque to the SPMD partitioner, which
+would gather every sharded cache onto each device); read a causally invisible cache slot.
+
+Work split (csrc/cpu_attention.cc). Each sequence's query rows are cut into tiles of up to
+16 rows; an item is one tile against a range of key blocks (16 key positions each), for all
+kv heads, so each page's K and V rows are read contiguously, once per tile:
+
+    seq 0: decode, 1 row, 1000 keys    seq 1: 40 new rows after 200 cached
+    [row 0 | blocks 0..62]             [rows  0..15 | blocks 0..13]  keys [0, 216)
+                                       [rows 16..31 | blocks 0..14]  keys [0, 232)
+                                       [rows 32..39 | blocks 0..14]  keys [0, 240)
+
+Items go largest first to a persistent thread pool (one thread per CPU, or
+JAXLLM_CPU_ATTENTION_THREADS, the calling thread included) that hands them out from one
+atomic counter. When the items are too few to keep every thread busy (batch-1 decode, one
+long prefill tile) a long item is split over its key blocks; each part leaves a partial
+softmax (max, sum, unnormalised output) and a merge step combines the parts:
+
+    batch-1 decode, 1024 keys, 2 threads: 8 parts, each taken by whichever thread is free
+      [blocks 0..7] [8..15] [16..23] ... [56..63]
+           |           |       |             |
+           +-----------+-------+-------------+--> merge: m = max_i m_i,
+                 out = sum_i e^(m_i - m) o_i / sum_i e^(m_i - m) l_i
+
+Inside an item, per key block and kv head, for each row the G query heads that share the kv
+head go together: 16 dot products each (bf16 rows multiplied in pairs by AVX512-BF16, f32 ones
+by FMAs, with a transpose-and-add for the 16 sums), an online-softmax update, and P @ V with
+each V row loaded once for all G heads. The pages two blocks ahead are prefetched a few
+cache lines at a time between these steps (a burst of prefetches stalls the core instead).
+Keys past an item's last row are never touched; within a tile the keys a row may not see are
+masked by selection before any arithmetic.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "jaxllm_ragged_paged_attention"
+_LIB_STEM = "_cpu_attention"
+
+
+class Availability:
+    """Whether the "cpu" backend can run here; `reason` says why not."""
+
+    def __init__(self, lib: ctypes.CDLL | None, reason: str):
+        self.lib, self.reason = lib, reason
+
+    def __bool__(self) -> bool:
+        return self.lib is not None
+
+
+def library_path() -> str | None:
+    """The built library next to this file (e.g. _cpu_attention.cpython-311-x86_64-linux-gnu.so),
+    or None."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, _LIB_STEM + suffix)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _load_library() -> Availability:
+    path = library_path()
+    if path is None:
+        return Availability(None, f"the library {_LIB_STEM}*.so is not built next to "
+                                  f"{os.path.dirname(os.path.abspath(__file__))} (reinstall "
+                                  f"jaxllm with a C++ compiler: pip install -e .)")
+    try:
+        lib = ctypes.CDLL(path)
+        lib.JaxllmRaggedPagedAttention  # noqa: B018 -- the FFI handler must be exported
+    except (OSError, AttributeError) as e:
+        return Availability(None, f"{path} failed to load: {e}")
+    return Availability(lib, "")
+
+
+@functools.cache
+def availability() -> Availability:
+    """Loads the library once per process (tests clear this cache to simulate its absence)."""
+    return _load_library()
+
+
+@functools.cache
+def _registered() -> None:
+    status = availability()
+    if not status:
+        raise RuntimeError(f'attention backend "cpu" is unavailable: {status.reason}')
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(status.lib.JaxllmRaggedPagedAttention),
+                                platform="cpu")
+
+
+def num_threads() -> int:
+    """Threads the library's pool runs attention on, the caller's included."""
+    _registered()
+    fn = availability().lib.JaxllmCpuAttentionNumThreads
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
+def _check_dtypes(q, k_cache, v_cache) -> None:
+    q_dtype, c_dtype = jnp.dtype(q.dtype), jnp.dtype(k_cache.dtype)
+    if jnp.dtype(v_cache.dtype) != c_dtype:
+        raise ValueError(f"k_cache and v_cache dtypes differ: {c_dtype} vs {v_cache.dtype}")
+    ok = {jnp.dtype(jnp.float32): (jnp.dtype(jnp.float32),),
+          jnp.dtype(jnp.bfloat16): (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16)),
+          jnp.dtype(jnp.float16): (jnp.dtype(jnp.float16), jnp.dtype(jnp.uint16))}
+    if c_dtype not in ok.get(q_dtype, ()):
+        raise ValueError(f"q dtype {q_dtype} with cache dtype {c_dtype}: the cpu backend takes "
+                         "float32 q with a float32 cache, or bfloat16 / float16 q with a cache "
+                         "of the same type or uint16 holding its bits")
+
+
+def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                           num_seqs, *, sm_scale):
+    """Same signature and semantics as kernels/reference.py. A uint16 cache holds q.dtype's
+    bits (models/layers.py kv_storage_dtype)."""
+    T, N, H = q.shape
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != H:
+        raise ValueError(f"caches must both be [num_blocks, block_size, K, {H}], got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    K = k_cache.shape[2]
+    if N % K:
+        raise ValueError(f"query heads {N} are not a multiple of kv heads {K}")
+    S = block_tables.shape[0]
+    if seq_lens.shape != (S,) or query_start_loc.shape != (S + 1,):
+        raise ValueError(f"seq_lens must be [{S}] and query_start_loc [{S + 1}], got "
+                         f"{seq_lens.shape} and {query_start_loc.shape}")
+    _check_dtypes(q, k_cache, v_cache)
+    _registered()
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            vmap_method="sequential")
+    return call(q, k_cache, v_cache, i32(block_tables), i32(seq_lens), i32(query_start_loc),
+                i32(num_seqs).reshape(()), sm_scale=np.float32(sm_scale))

@@ -1,0 +1,500 @@
+// Ragged paged attention on CPU as an XLA FFI handler (backend "cpu", see
+// jaxllm/kernels/cpu_attention.py for the work split picture and the Python side).
+//
+// Owns: the XLA FFI handler `JaxllmRaggedPagedAttention`: checking the batch metadata, cutting
+// the batch into work items (sequence x query tile x key range), running them on the thread
+// pool, merging split key ranges, and zeroing padding rows.
+// Must never: read a cache slot that no query of its item may see (invisible slots may hold
+// NaN, and may not even be backed by a valid page) or anything of sequences past num_seqs;
+// trust the metadata with memory (every index is checked before the first read).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+#include "thread_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+// Aliases without commas: the handler macro below splits its arguments at commas.
+using Int32Matrix = ffi::Buffer<ffi::S32, 2>;
+using Int32Vector = ffi::Buffer<ffi::S32, 1>;
+using Int32Scalar = ffi::BufferR0<ffi::S32>;
+
+namespace jaxllm {
+namespace {
+
+// Rows of one sequence that share each key read. 16 rows x N query heads of f32 scratch
+// (queries and accumulators) stay in L2 for any head count this engine serves.
+constexpr int kTileRows = 16;
+// Key blocks between the one being computed and the one being prefetched.
+constexpr int kPrefetchDistance = 2;
+// A long item is split over its key blocks when the items are too few to keep every thread
+// busy: parts are cut so that there are about kPartsPerThread parts' worth of work per
+// thread, each of at least kMinPartBlocks key blocks.
+constexpr int kPartsPerThread = 4;
+constexpr int kMinPartBlocks = 4;
+
+struct Shapes {
+  int T, N, H;           // q [T, N, H]
+  long num_blocks;       // caches [num_blocks, P, K, H]
+  int P, K, G;           // G = N / K query heads per kv head
+  int S, W;              // block_tables [S, W]
+};
+
+struct Batch {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  void* out;
+  const int32_t* block_tables;
+  float sm_scale;
+  Shapes sh;
+  long part_stride;  // floats per partial slot: max rows x N x (m, l, H values)
+};
+
+// One unit of work: rows [row0, row0 + num_rows) of sequence `seq` (all N heads), against key
+// blocks [kb_begin, kb_end) (blocks of kBlockKeys positions). `part` >= 0: one of several key
+// ranges of the same rows, whose partial softmax goes to partial slot `part`.
+struct Item {
+  int seq, row0, num_rows;
+  int first_pos;  // position of row0
+  int kb_begin, kb_end;
+  int part;
+  double cost;
+};
+
+// Rows of a split item and the partial slots [first_part, first_part + num_parts) to merge.
+struct Split {
+  int row0, num_rows, first_part, num_parts;
+};
+
+struct Plan {
+  std::vector<Item> items;
+  std::vector<Split> splits;
+  int row_begin = 0, row_end = 0;  // rows of real sequences
+  int max_rows = 0;
+};
+
+// Per-thread scratch, kept between calls.
+struct Scratch {
+  std::vector<float> q;           // f16 only: the item's queries as f32 [rows, N, H]
+  std::vector<float> o, m, l;     // accumulators [rows, N, H], running max and sum [rows, N]
+  std::vector<float> scores, p;   // one kv head's G query heads x 16 keys
+  std::vector<float> alpha;       // their rescale factors for one block
+  std::vector<float> kf, vf;      // one block of one kv head, [16, H] compute elements
+  long kf_layout = 0;             // H x bytes per compute element that kf / vf were zeroed for
+  int kf_zero_from = 0, vf_zero_from = 0;   // kf / vf rows >= these are zero
+};
+
+Scratch& ThreadScratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+// Checks every index the items will follow, and builds the items. Returns an error message,
+// empty when the metadata is sound.
+std::string MakePlan(const Shapes& sh, const int32_t* block_tables, const int32_t* seq_lens,
+                     const int32_t* qsl, int num_seqs, int threads, Plan* plan) {
+  num_seqs = std::clamp(num_seqs, 0, sh.S);
+  plan->row_begin = num_seqs > 0 ? qsl[0] : 0;
+  plan->row_end = num_seqs > 0 ? qsl[num_seqs] : 0;
+  if (plan->row_begin < 0 || plan->row_end > sh.T) {
+    return "query_start_loc of the real sequences runs outside the T query rows";
+  }
+  double total = 0.0;
+  const double per_key_read = 2.0 * sh.K;  // reading a key's K and V rows, in row-head units
+  for (int s = 0; s < num_seqs; ++s) {
+    const long q_len = static_cast<long>(qsl[s + 1]) - qsl[s], seq_len = seq_lens[s];
+    if (q_len < 0) return "query_start_loc decreases at sequence " + std::to_string(s);
+    if (q_len == 0) continue;
+    if (q_len > seq_len || seq_len > static_cast<long>(sh.W) * sh.P) {
+      return "sequence " + std::to_string(s) + ": seq_len " + std::to_string(seq_len) +
+             " is below its query length " + std::to_string(q_len) +
+             " or beyond the block table";
+    }
+    const int32_t* bt = block_tables + static_cast<long>(s) * sh.W;
+    for (int b = 0; b < (seq_len + sh.P - 1) / sh.P; ++b) {
+      if (bt[b] < 0 || bt[b] >= sh.num_blocks) {
+        return "sequence " + std::to_string(s) + " has block id " + std::to_string(bt[b]) +
+               " outside the cache";
+      }
+    }
+    const int ctx = static_cast<int>(seq_len - q_len);
+    for (int r = 0; r < q_len; r += kTileRows) {
+      const int rows = static_cast<int>(std::min<long>(kTileRows, q_len - r));
+      const int last = ctx + r + rows - 1;  // position of the tile's last row
+      const int blocks = last / kBlockKeys + 1;
+      double cost = static_cast<double>(blocks) * kBlockKeys * (rows * sh.N + per_key_read);
+      plan->items.push_back({s, qsl[s] + r, rows, ctx + r, 0, blocks, -1, cost});
+      plan->max_rows = std::max(plan->max_rows, rows);
+      total += cost;
+    }
+  }
+  if (threads > 1 && !plan->items.empty()) {
+    double target = total / (threads * kPartsPerThread);
+    std::vector<Item> whole;
+    int parts_used = 0;
+    for (const Item& it : plan->items) {
+      int blocks = it.kb_end;
+      int parts = std::min(static_cast<int>(it.cost / target), blocks / kMinPartBlocks);
+      if (parts < 2) {
+        whole.push_back(it);
+        continue;
+      }
+      plan->splits.push_back({it.row0, it.num_rows, parts_used, parts});
+      for (int p = 0; p < parts; ++p) {
+        Item part = it;
+        part.kb_begin = static_cast<int>(static_cast<long>(blocks) * p / parts);
+        part.kb_end = static_cast<int>(static_cast<long>(blocks) * (p + 1) / parts);
+        part.part = parts_used + p;
+        part.cost = it.cost * (part.kb_end - part.kb_begin) / blocks;
+        whole.push_back(part);
+      }
+      parts_used += parts;
+    }
+    plan->items.swap(whole);
+  }
+  // Largest first: the last items handed out are the small ones.
+  std::stable_sort(plan->items.begin(), plan->items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return "";
+}
+
+template <Storage S>
+constexpr int kElemBytes = S == Storage::kF32 ? 4 : 2;
+
+// The K and V row addresses (all kv heads) of the n <= 16 visible key positions of one block,
+// computed once per block (one division; the block is consecutive slots of one or two pages).
+struct BlockRows {
+  const char* k[kBlockKeys];
+  const char* v[kBlockKeys];
+  int n = 0;
+  long row_bytes = 0;
+  bool contiguous = false;  // 16 consecutive slots (always so when block_size % 16 == 0)
+
+  template <Storage S>
+  void Fill(const Batch& b, const int32_t* bt, int kb0, int num) {
+    const Shapes& sh = b.sh;
+    row_bytes = static_cast<long>(sh.K) * sh.H * kElemBytes<S>;
+    n = num;
+    int page = kb0 / sh.P, offset = kb0 % sh.P;
+    for (int j = 0; j < n; ++j) {
+      const long slot = static_cast<long>(bt[page]) * sh.P + offset;
+      k[j] = static_cast<const char*>(b.k_cache) + slot * row_bytes;
+      v[j] = static_cast<const char*>(b.v_cache) + slot * row_bytes;
+      if (++offset == sh.P) {
+        offset = 0;
+        ++page;
+      }
+    }
+    contiguous = n == kBlockKeys && k[n - 1] == k[0] + (n - 1) * row_bytes;
+  }
+};
+
+// Prefetches the rows of one future key block a few cache lines at a time, spread over the
+// current block's compute. Bursts stall the core (each prefetch waits for a miss buffer) and
+// overlap little: all of a block's lines at once took 6.0 ms for 100 MB of pages with 2 ms of
+// compute, a trickle 3.6 ms; and a tight loop of 32 line pairs per step made the f32 decode
+// 1.6x slower than this loop, whose bookkeeping spaces the prefetches out.
+class PrefetchCursor {
+ public:
+  // `steps`: how many Step() calls will follow.
+  void Start(const BlockRows* rows, int steps) {
+    rows_ = rows;
+    const long lines = rows->n * ((rows->row_bytes + 63) / 64);
+    per_step_ = static_cast<int>((lines + steps - 1) / std::max(steps, 1));
+    row_ = 0;
+    offset_ = 0;
+  }
+  void Stop() { rows_ = nullptr; }
+  // Prefetches the next few lines of K and of V.
+  void Step() {
+    if (rows_ == nullptr) return;
+    for (int i = 0; i < per_step_ && row_ < rows_->n; ++i) {
+      __builtin_prefetch(rows_->k[row_] + offset_);
+      __builtin_prefetch(rows_->v[row_] + offset_);
+      offset_ += 64;
+      if (offset_ >= rows_->row_bytes) {
+        offset_ = 0;
+        ++row_;
+      }
+    }
+  }
+
+ private:
+  const BlockRows* rows_ = nullptr;
+  long offset_ = 0;
+  int row_ = 0, per_step_ = 0;
+};
+
+// What the dot products and P @ V read rows as: bf16 caches stay bf16 (the kernels widen them
+// in registers), f16 ones are converted to f32 per block.
+template <Storage S>
+using ComputeType = std::conditional_t<S == Storage::kBF16, Bf16, float>;
+
+// The rows of kv head `kh` of the current block (row addresses `rows`, n of them): straight
+// in the cache when they are a full block of consecutive slots in the compute type, else
+// copied or converted into `scratch` with zero rows past n (never read from the cache).
+template <Storage S>
+const ComputeType<S>* HeadRows(const BlockRows& block, const char* const* rows, int kh,
+                               const Shapes& sh, float* scratch, int* zero_from, long* ld) {
+  using E = ComputeType<S>;
+  const int n = block.n;
+  const long head_off = static_cast<long>(kh) * sh.H;
+  if constexpr (S != Storage::kF16) {
+    if (block.contiguous) {
+      *ld = static_cast<long>(sh.K) * sh.H;
+      return reinterpret_cast<const E*>(rows[0]) + head_off;
+    }
+  }
+  E* out = reinterpret_cast<E*>(scratch);
+  for (int j = 0; j < n; ++j) {
+    const char* src = rows[j] + head_off * kElemBytes<S>;
+    if constexpr (S == Storage::kF16) {
+      RowToF32<S>(src, scratch + static_cast<long>(j) * sh.H, sh.H);
+    } else {
+      std::memcpy(out + static_cast<long>(j) * sh.H, src, sh.H * sizeof(E));
+    }
+  }
+  if (*zero_from > n) {  // rows an earlier block filled, now past the end: zero them
+    std::memset(out + static_cast<long>(n) * sh.H, 0, (*zero_from - n) * sh.H * sizeof(E));
+  }
+  *zero_from = n;
+  *ld = sh.H;
+  return out;
+}
+
+template <Storage S, int kH>
+void RunItem(const Batch& b, const Item& it, Scratch& sc, float* partials) {
+  using E = ComputeType<S>;
+  const Shapes& sh = b.sh;
+  const int N = sh.N, H = HeadDim<kH>(sh.H), G = sh.G, rows = it.num_rows;
+  const long NH = static_cast<long>(N) * H;
+  sc.o.assign(rows * NH, 0.0f);
+  sc.m.assign(static_cast<long>(rows) * N, kNegInf);
+  sc.l.assign(static_cast<long>(rows) * N, 0.0f);
+  sc.scores.resize(16 * G);
+  sc.p.resize(16 * G);
+  sc.alpha.resize(G);
+  if (sc.kf_layout != H * static_cast<long>(sizeof(E))) {  // first use, new H or dtype
+    sc.kf.assign(static_cast<long>(kBlockKeys) * H, 0.0f);
+    sc.vf.assign(static_cast<long>(kBlockKeys) * H, 0.0f);
+    sc.kf_zero_from = sc.vf_zero_from = 0;
+    sc.kf_layout = H * static_cast<long>(sizeof(E));
+  }
+  // The item's queries [rows, N, H] in the compute type (sm_scale applies to the scores).
+  const E* q = reinterpret_cast<const E*>(static_cast<const char*>(b.q) +
+                                          it.row0 * NH * kElemBytes<S>);
+  if constexpr (S == Storage::kF16) {
+    sc.q.resize(rows * NH);
+    RowToF32<S>(static_cast<const char*>(b.q) + it.row0 * NH * 2, sc.q.data(),
+                static_cast<int>(rows * NH));
+    q = sc.q.data();
+  }
+
+  const int32_t* bt = b.block_tables + static_cast<long>(it.seq) * sh.W;
+  const int last = it.first_pos + rows - 1;  // keys past it are invisible to every row
+  const int kb_end = std::min(it.kb_end, last / kBlockKeys + 1);
+  float* alpha = sc.alpha.data();
+  // Rows of the current block and of the kPrefetchDistance blocks after it (a ring).
+  BlockRows blocks[kPrefetchDistance + 1];
+  auto fill = [&](int blk) -> BlockRows& {
+    BlockRows& r = blocks[blk % (kPrefetchDistance + 1)];
+    const int kb0 = blk * kBlockKeys;
+    r.Fill<S>(b, bt, kb0, std::min(kBlockKeys, last + 1 - kb0));
+    return r;
+  };
+  PrefetchCursor prefetch;
+  // The first blocks have nothing to hide behind: all of their lines at once.
+  for (int blk = it.kb_begin; blk < std::min(kb_end, it.kb_begin + kPrefetchDistance); ++blk) {
+    prefetch.Start(&fill(blk), 1);
+    prefetch.Step();
+  }
+  for (int blk = it.kb_begin; blk < kb_end; ++blk) {
+    const BlockRows& cur = blocks[blk % (kPrefetchDistance + 1)];
+    const int kb0 = blk * kBlockKeys, n = cur.n;  // n: keys visible to the last row
+    const int first_row = std::max(0, kb0 - it.first_pos);  // rows before see nothing here
+    if (blk + kPrefetchDistance < kb_end) {
+      // Spread over the Step() calls below.
+      prefetch.Start(&fill(blk + kPrefetchDistance), 2 * sh.K * (rows - first_row));
+    } else {
+      prefetch.Stop();
+    }
+    for (int kh = 0; kh < sh.K; ++kh) {
+      long ldk, ldv;
+      const E* k = HeadRows<S>(cur, cur.k, kh, sh, sc.kf.data(), &sc.kf_zero_from, &ldk);
+      const E* v = HeadRows<S>(cur, cur.v, kh, sh, sc.vf.data(), &sc.vf_zero_from, &ldv);
+      for (int i = first_row; i < rows; ++i) {
+        const int nv = std::min(n, it.first_pos + i - kb0 + 1);
+        const long h0 = static_cast<long>(i) * N + kh * G;  // (row, first query head)
+        prefetch.Step();
+        DotGroup<kH>(q + h0 * H, G, k, ldk, H, b.sm_scale, sc.scores.data());
+        for (int g = 0; g < G; ++g) {
+          alpha[g] = SoftmaxBlock(sc.scores.data() + 16 * g, nv, &sc.m[h0 + g],
+                                  &sc.l[h0 + g], sc.p.data() + 16 * g);
+        }
+        prefetch.Step();
+        PVGroup<kH>(sc.o.data() + h0 * H, G, H, alpha, sc.p.data(), v, ldv);
+      }
+    }
+  }
+
+  if (it.part >= 0) {  // partial softmax: m, l, unnormalised o per (row, head)
+    float* dst = partials + it.part * b.part_stride;
+    for (long h = 0; h < static_cast<long>(rows) * N; ++h) {
+      dst[h * (H + 2)] = sc.m[h];
+      dst[h * (H + 2) + 1] = sc.l[h];
+      std::memcpy(dst + h * (H + 2) + 2, sc.o.data() + h * H, H * sizeof(float));
+    }
+    return;
+  }
+  for (long h = 0; h < static_cast<long>(rows) * N; ++h) {
+    const float inv = sc.l[h] > 0.0f ? 1.0f / sc.l[h] : 0.0f;
+    for (int c = 0; c < H; ++c) {
+      FromF32<S>(sc.o[h * H + c] * inv, b.out, it.row0 * NH + h * H + c);
+    }
+  }
+}
+
+template <Storage S>
+void MergeSplit(const Batch& b, const Split& sp, const float* partials) {
+  const int N = b.sh.N, H = b.sh.H;
+  const long NH = static_cast<long>(N) * H, stride = b.part_stride;
+  std::vector<float> acc(H);
+  for (long h = 0; h < static_cast<long>(sp.num_rows) * N; ++h) {
+    float m = kNegInf;
+    for (int p = 0; p < sp.num_parts; ++p) {
+      m = std::fmax(m, partials[(sp.first_part + p) * stride + h * (H + 2)]);
+    }
+    float l = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int p = 0; p < sp.num_parts; ++p) {
+      const float* part = partials + (sp.first_part + p) * stride + h * (H + 2);
+      if (part[0] == kNegInf) continue;  // this key range is invisible to the row
+      const float w = std::exp(part[0] - m);
+      l += w * part[1];
+      for (int c = 0; c < H; ++c) acc[c] += w * part[2 + c];
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int c = 0; c < H; ++c) {
+      FromF32<S>(acc[c] * inv, b.out, sp.row0 * NH + h * H + c);
+    }
+  }
+}
+
+template <Storage S>
+void Run(const Batch& b, const Plan& plan) {
+  const Shapes& sh = b.sh;
+  const long NH = static_cast<long>(sh.N) * sh.H;
+  // Padding rows are zeros.
+  char* out = static_cast<char*>(b.out);
+  std::memset(out, 0, plan.row_begin * NH * kElemBytes<S>);
+  std::memset(out + plan.row_end * NH * kElemBytes<S>, 0,
+              (sh.T - plan.row_end) * NH * kElemBytes<S>);
+
+  std::vector<float> partials;
+  if (!plan.splits.empty()) {
+    const Split& last = plan.splits.back();
+    partials.resize(static_cast<size_t>(last.first_part + last.num_parts) * b.part_stride);
+  }
+  ThreadPool::Get().Run(static_cast<int>(plan.items.size()), [&](int i) {
+    switch (sh.H) {
+      case 64: RunItem<S, 64>(b, plan.items[i], ThreadScratch(), partials.data()); break;
+      case 128: RunItem<S, 128>(b, plan.items[i], ThreadScratch(), partials.data()); break;
+      default: RunItem<S, 0>(b, plan.items[i], ThreadScratch(), partials.data()); break;
+    }
+  });
+  ThreadPool::Get().Run(static_cast<int>(plan.splits.size()), [&](int i) {
+    MergeSplit<S>(b, plan.splits[i], partials.data());
+  });
+}
+
+ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                     Int32Matrix block_tables, Int32Vector seq_lens,
+                     Int32Vector query_start_loc, Int32Scalar num_seqs, float sm_scale,
+                     ffi::Result<ffi::AnyBuffer> out) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), bd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || v_cache.dimensions().size() != 4) {
+    return ffi::Error::InvalidArgument("q must be [T, N, H] and the caches [B, P, K, H]");
+  }
+  Shapes sh{static_cast<int>(qd[0]), static_cast<int>(qd[1]), static_cast<int>(qd[2]),
+            kd[0], static_cast<int>(kd[1]), static_cast<int>(kd[2]), 0,
+            static_cast<int>(bd[0]), static_cast<int>(bd[1])};
+  for (int i = 0; i < 4; ++i) {
+    if (v_cache.dimensions()[i] != kd[i]) {
+      return ffi::Error::InvalidArgument("k_cache and v_cache shapes differ");
+    }
+  }
+  if (kd[3] != sh.H || sh.K <= 0 || sh.N % sh.K != 0 || sh.P <= 0) {
+    return ffi::Error::InvalidArgument("head dims differ, or N is not a multiple of K");
+  }
+  if (seq_lens.dimensions()[0] != sh.S || query_start_loc.dimensions()[0] != sh.S + 1) {
+    return ffi::Error::InvalidArgument("seq_lens must be [S] and query_start_loc [S + 1]");
+  }
+  sh.G = sh.N / sh.K;
+  const ffi::DataType qt = q.element_type(), ct = k_cache.element_type();
+  if (out->element_type() != qt || v_cache.element_type() != ct) {
+    return ffi::Error::InvalidArgument("the output must have q's dtype, V the dtype of K");
+  }
+  Storage st;
+  if (qt == ffi::DataType::F32 && ct == ffi::DataType::F32) {
+    st = Storage::kF32;
+  } else if (qt == ffi::DataType::BF16 && (ct == ffi::DataType::BF16 || ct == ffi::DataType::U16)) {
+    st = Storage::kBF16;
+  } else if (qt == ffi::DataType::F16 && (ct == ffi::DataType::F16 || ct == ffi::DataType::U16)) {
+    st = Storage::kF16;
+  } else {
+    return ffi::Error::InvalidArgument(
+        "supported: f32 q with an f32 cache, bf16 / f16 q with a cache of the same type or "
+        "uint16 holding its bits");
+  }
+
+  Plan plan;
+  ThreadPool& pool = ThreadPool::Get();
+  std::string problem = MakePlan(sh, block_tables.typed_data(), seq_lens.typed_data(),
+                                 query_start_loc.typed_data(), num_seqs.typed_data()[0],
+                                 pool.size(), &plan);
+  if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
+  Batch b{q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),
+          out->untyped_data(), block_tables.typed_data(), sm_scale, sh,
+          static_cast<long>(plan.max_rows) * sh.N * (sh.H + 2)};
+  switch (st) {
+    case Storage::kF32: Run<Storage::kF32>(b, plan); break;
+    case Storage::kBF16: Run<Storage::kBF16>(b, plan); break;
+    case Storage::kF16: Run<Storage::kF16>(b, plan); break;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxllm
+
+extern "C" {
+
+// The handler is the library's only FFI symbol; the rest stays hidden (-fvisibility=hidden).
+__attribute__((visibility("default"))) XLA_FFI_Error* JaxllmRaggedPagedAttention(
+    XLA_FFI_CallFrame* call_frame);
+
+// Threads the pool runs attention on (the caller's included), for tests and benchmarks.
+__attribute__((visibility("default"))) int JaxllmCpuAttentionNumThreads() {
+  return jaxllm::ThreadPool::Get().size();
+}
+
+}  // extern "C"
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, jaxllm::Attention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()           // q
+                                  .Arg<ffi::AnyBuffer>()           // k_cache
+                                  .Arg<ffi::AnyBuffer>()           // v_cache
+                                  .Arg<Int32Matrix>()              // block_tables
+                                  .Arg<Int32Vector>()              // seq_lens
+                                  .Arg<Int32Vector>()              // query_start_loc
+                                  .Arg<Int32Scalar>()              // num_seqs
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>());

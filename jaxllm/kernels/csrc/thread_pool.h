@@ -1,0 +1,115 @@
+// A small persistent thread pool for the CPU attention kernel (jaxllm/kernels/cpu_attention.py).
+//
+// Owns: worker threads started once per process (first use), and `Run(n, fn)`, which calls
+// fn(0) .. fn(n - 1) spread over the workers and the calling thread, handing out indices in
+// order from one atomic counter (callers sort their items largest first), and returns when
+// every call has finished.
+// Must never: spawn threads per call; block a second concurrent caller behind the first (a
+// caller that finds the pool busy runs its items itself); spin while idle (XLA's own threads
+// run the matmuls between two attention calls on the same cores).
+
+#ifndef JAXLLM_KERNELS_CSRC_THREAD_POOL_H_
+#define JAXLLM_KERNELS_CSRC_THREAD_POOL_H_
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace jaxllm {
+
+class ThreadPool {
+ public:
+  // Threads in all, the caller included: JAXLLM_CPU_ATTENTION_THREADS if set (>= 1), else the
+  // CPUs this process may run on.
+  static int DefaultSize() {
+    if (const char* env = std::getenv("JAXLLM_CPU_ATTENTION_THREADS")) {
+      int n = std::atoi(env);
+      if (n >= 1) return n;
+    }
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+      return CPU_COUNT(&set);
+    }
+    unsigned n = std::thread::hardware_concurrency();
+    return n > 0 ? static_cast<int>(n) : 1;
+  }
+
+  // The process-wide pool. Leaked on purpose: joining threads from a static destructor at
+  // interpreter exit can deadlock.
+  static ThreadPool& Get() {
+    static ThreadPool* pool = new ThreadPool(DefaultSize());
+    return *pool;
+  }
+
+  explicit ThreadPool(int size) : size_(size < 1 ? 1 : size), owner_pid_(getpid()) {
+    for (int i = 1; i < size_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  }
+
+  int size() const { return size_; }
+
+  void Run(int n, const std::function<void(int)>& fn) {
+    if (n <= 0) return;
+    // Inline when there is nothing to share, in a forked child (it has no workers), or when
+    // another caller holds the pool.
+    std::unique_lock<std::mutex> submit(submit_mu_, std::try_to_lock);
+    if (n == 1 || workers_.empty() || getpid() != owner_pid_ || !submit.owns_lock()) {
+      for (int i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      num_items_ = n;
+      next_.store(0, std::memory_order_relaxed);
+      busy_workers_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    wake_.notify_all();
+    Drain();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [this] { return busy_workers_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void Drain() {
+    for (int i = next_.fetch_add(1); i < num_items_; i = next_.fetch_add(1)) (*fn_)(i);
+  }
+
+  void WorkerLoop() {
+    unsigned long seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+      }
+      Drain();
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--busy_workers_ == 0) done_.notify_one();
+    }
+  }
+
+  const int size_;
+  const pid_t owner_pid_;
+  std::vector<std::thread> workers_;
+  std::mutex submit_mu_;  // one job at a time
+  std::mutex mu_;         // guards the job fields below and the counters
+  std::condition_variable wake_, done_;
+  unsigned long generation_ = 0;
+  int busy_workers_ = 0;
+  const std::function<void(int)>* fn_ = nullptr;
+  int num_items_ = 0;
+  std::atomic<int> next_{0};
+};
+
+}  // namespace jaxllm
+
+#endif  // JAXLLM_KERNELS_CSRC_THREAD_POOL_H_

@@ -1,0 +1,53 @@
+"""Builds the optional C++ library of attention backend "cpu" (jaxllm/kernels/csrc).
+
+Everything else about the package is in pyproject.toml. The extension is optional: without a
+C++ compiler or jaxlib's FFI headers jaxllm still installs, and the "cpu" backend reports itself
+unavailable (jaxllm/kernels/cpu_attention.py), so the CPU default falls back to "xla".
+
+The library is a plain shared object loaded with ctypes (no Python module init), compiled for
+the building machine's CPU (-march=native): build on the machine that runs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from setuptools import Extension, setup
+
+CSRC = os.path.join("jaxllm", "kernels", "csrc")
+
+
+def jaxlib_include_dir() -> str | None:
+    """jaxlib's bundled headers (what jax.ffi.include_dir() returns), found without importing
+    jax: the build environment has jaxlib (pyproject.toml [build-system] requires)."""
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        include = os.path.join(location, "include")
+        if os.path.exists(os.path.join(include, "xla", "ffi", "api", "ffi.h")):
+            return include
+    return None
+
+
+def extensions() -> list[Extension]:
+    include = jaxlib_include_dir()
+    if include is None:
+        print("jaxllm: jaxlib's XLA FFI headers not found; skipping the 'cpu' attention library")
+        return []
+    return [Extension(
+        "jaxllm.kernels._cpu_attention",
+        sources=[os.path.join(CSRC, "cpu_attention.cc")],
+        depends=[os.path.join(CSRC, name) for name in ("simd.h", "thread_pool.h")],
+        language="c++",
+        # -isystem: the FFI headers' own warnings are not ours. GCC 12 reports AVX-512
+        # intrinsics as "maybe uninitialized" (their undefined pass-through operand).
+        extra_compile_args=["-std=c++17", "-O3", "-march=native", "-fvisibility=hidden",
+                            "-isystem", include, "-Wno-maybe-uninitialized"],
+        extra_link_args=["-pthread"],
+        optional=True,
+    )]
+
+
+setup(ext_modules=extensions())
