@@ -77,9 +77,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
                 f"prompt_token_ids={self.prompt_token_ids}, "
                 f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
-                f"finished={self.finished}, metrics={self.metrics})")
+                f"finished={self.finished}, metrics={self.metrics}, "
+                f"num_cached_tokens={self.num_cached_tokens})")

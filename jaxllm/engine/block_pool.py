@@ -18,17 +18,28 @@ removal from the middle are all O(1) with no empty-list special cases:
     head <-> b3 <-> b1 <-> b7 <-> tail
     ^ evicted first         ^ freed most recently
 
-Room for prefix caching: a block whose ref_cnt drops to 0 goes back on the free queue but may
-keep its `block_hash`; `cached_block_hash_to_block` maps such hashes to blocks so a later
-request can take them back out of the queue (`FreeKVCacheBlockQueue.remove`, O(1)). Handing a
-block out again is the one place a stale hash must be forgotten (`_forget_hash`). Nothing
-sets a hash yet.
+Prefix caching: a full block whose K/V is computed (or scheduled to be) carries its
+`block_hash` (engine/block_hash.py) and is indexed in `cached_block_hash_to_block`. When its
+ref_cnt drops to 0 it goes back on the free queue *with* its hash: its K/V stays valid and a
+later request can take it back out (`touch`, O(1) via `FreeKVCacheBlockQueue.remove`). It is
+evicted when the queue hands it out as a fresh block (`_forget_hash`; apart from a reset or
+a failed step, the only eviction point), so eviction follows the queue: least recently
+freed first, and a request's tail before its prefix (requests free their blocks in reverse).
+
+    ref_cnt > 0, hashed      held, and shareable: a hit adds a reference
+    ref_cnt = 0, hashed      free but cached: a hit takes it out of the queue
+    ref_cnt = 0, no hash     free and empty
+
+One block per hash is indexed. A second block computed with the same tokens (two requests
+that prefilled the same prefix in different steps) stays unhashed: it is an ordinary block
+of its owner and is never shared.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+
+from jaxllm.engine.block_hash import BlockHash
 
 NULL_BLOCK_ID = 0
 
@@ -41,9 +52,9 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        # Hash of the full block's tokens, chained with the previous block's hash.
-        # Always None until prefix caching exists.
-        self.block_hash: Any | None = None
+        # Hash of the full block's tokens, chained with the previous block's hash; set only
+        # while the block is the indexed one for that hash.
+        self.block_hash: BlockHash | None = None
         # Links of the free queue; both None while the block is held by a request.
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
@@ -113,7 +124,7 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """All KV blocks, the free queue, and (later) the prefix-hash index."""
+    """All KV blocks, the free queue, and the prefix-hash index."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -124,9 +135,9 @@ class BlockPool:
         # Block 0 is held forever by nobody: out of the queue, never handed out.
         self.null_block = self.free_block_queue.popleft()
         assert self.null_block.block_id == NULL_BLOCK_ID
-        # Prefix caching: block_hash -> block whose K/V for those tokens is still valid.
-        # Empty until prefix caching is implemented.
-        self.cached_block_hash_to_block: dict[Any, KVCacheBlock] = {}
+        # Prefix caching: block_hash -> the block whose K/V for those tokens is valid (held
+        # or free). Stays empty when prefix caching is off: nobody calls cache_block.
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -157,9 +168,48 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
+    # -- prefix caching -----------------------------------------------------------------
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a reference to each (cache-hit) block, taking free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Index a held, full block under `block_hash` (its K/V is computed or scheduled).
+        If another block already holds that hash, this one stays an unshared duplicate."""
+        if block.ref_cnt <= 0:
+            raise ValueError(f"cannot cache {block}: it is not held")
+        if block.block_hash is not None:
+            if block.block_hash != block_hash:
+                raise ValueError(f"{block} is already cached under another hash")
+            return
+        if block_hash not in self.cached_block_hash_to_block:
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = block
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop blocks from the index, held or not (their K/V can no longer be trusted)."""
+        for block in blocks:
+            self._forget_hash(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is held, since a holder
+        may be about to share what it holds (vLLM's rule)."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
     def _forget_hash(self, block: KVCacheBlock) -> None:
         # A block leaving the free queue for a new owner loses whatever cached prefix it
-        # held: this is the eviction point of the prefix cache. No-op while hashes are None.
+        # held: this is the eviction point of the prefix cache.
         if block.block_hash is None:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:

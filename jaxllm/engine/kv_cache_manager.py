@@ -1,8 +1,10 @@
 """Which request holds which KV blocks.
 
 This file maps request ids to their block lists on top of `BlockPool`, grows those lists as a
-request computes more tokens, and gives them back when it finishes or is preempted. It never
-decides *who* gets blocks (that is the scheduler) and never touches device memory.
+request computes more tokens, and gives them back when it finishes or is preempted. With
+prefix caching it also finds a request's cached prefix (`get_computed_blocks`) and offers its
+full blocks to the cache (`cache_blocks`). It never decides *who* gets blocks (that is the
+scheduler) and never touches device memory.
 
 A request's block list covers its first `len(blocks) * block_size` token positions; token
 position p lives in slot `p % block_size` of block `blocks[p // block_size]`.
@@ -10,6 +12,7 @@ position p lives in slot `p % block_size` of block `blocks[p // block_size]`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jaxllm.engine.block_pool import BlockPool, KVCacheBlock
@@ -64,12 +67,16 @@ def check_fits(num_blocks: int, block_size: int, max_model_len: int, *,
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 enable_caching: bool = True) -> None:
         check_fits(num_blocks, block_size, max_model_len)
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's leading blocks were already offered to the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -81,39 +88,109 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of usable blocks in use, in [0, 1] (the null block is not counted)."""
+        """Fraction of usable blocks in use, in [0, 1] (the null block is not counted; free
+        blocks that still hold a cached prefix count as free)."""
         return self.block_pool.usage
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks the request must gain to hold num_computed_tokens + num_new_tokens."""
-        num_tokens = request.num_computed_tokens + num_new_tokens
-        held = len(self.req_to_blocks.get(request.request_id, ()))
-        return max(0, cdiv(num_tokens, self.block_size) - held)
+    # -- prefix caching -------------------------------------------------------------------
+    def uses_prefix_cache(self, request: Request) -> bool:
+        """Whether a lookup is made for this request: not when caching is off, nor when it
+        wants prompt logprobs (every prompt position must then be computed, as in vLLM)."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
+    def update_block_hashes(self, request: Request) -> None:
+        if self.enable_caching:
+            request.update_block_hashes(self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest prefix of the request's full blocks found in the cache, and its length
+        in tokens. Takes no reference: `allocate_slots` does, if the request is admitted.
+
+        The hit stops at num_tokens - 1 tokens: the last token is always computed, because
+        its logits give the next sample. Only whole blocks count, so a block-aligned prompt
+        that is fully cached recomputes its whole last block:
+
+            prompt of 8, block_size 4, both blocks cached -> hit = 1 block (4 tokens)
+        """
+        if not self.uses_prefix_cache(request):
+            return [], 0
+        self.update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Offer the prefix cache the request's full blocks within its first `num_tokens`
+        positions whose K/V is computed or scheduled, once their tokens are known."""
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        stop = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        for i in range(start, stop):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, stop)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing forgotten) while blocks are held."""
+        return self.block_pool.reset_prefix_cache()
+
+    # -- blocks in and out ----------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> list[int] | None:
         """Make room for `num_new_tokens` more K/V entries after the computed ones.
 
-        Returns the ids of the newly added blocks (possibly empty), or None, with nothing
-        changed, when the free queue is too short.
+        `new_computed_blocks` are cache hits from `get_computed_blocks` (waiting requests
+        only): the request takes a reference to each and its new tokens start after them.
+
+            blocks:  [hit][hit][ new ... ]
+                     <- cached -> <- num_new_tokens ->   (num_computed_tokens is still 0;
+                                                          the scheduler moves it past the hits)
+
+        Returns the ids of the blocks added (hits first, possibly none), or None, with
+        nothing changed, when the free queue is too short. The full blocks covered by the new
+        tokens are offered to the prefix cache at once: K/V scheduled this step counts as
+        computed, so a request admitted later in the same step already shares them.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        assert request.num_computed_tokens + num_new_tokens <= self.max_model_len, (
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_tokens = num_computed + num_new_tokens
+        assert num_tokens <= self.max_model_len, (
             request.request_id, request.num_computed_tokens, num_new_tokens)
-        num_needed = self.num_blocks_needed(request, num_new_tokens)
-        if num_needed > self.block_pool.num_free_blocks:
+        held = self.req_to_blocks.get(request.request_id, [])
+        num_needed = max(0, cdiv(num_tokens, self.block_size) - len(held)
+                         - len(new_computed_blocks))
+        # A hit that sits in the free queue leaves it: it costs a free block too.
+        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_needed + num_evictable_hits > self.block_pool.num_free_blocks:
             return None
-        # Prefix caching will slot in here: look up the request's full-block hashes first and
-        # take cache hits back out of the free queue before asking for fresh blocks.
+        # Hits first: taken out of the queue before fresh blocks are popped from its front.
+        self.block_pool.touch(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_needed)
-        self.req_to_blocks.setdefault(request.request_id, []).extend(new_blocks)
-        return [block.block_id for block in new_blocks]
+        added = [*new_computed_blocks, *new_blocks]
+        self.req_to_blocks.setdefault(request.request_id, []).extend(added)
+        self.cache_blocks(request, num_tokens)
+        return [block.block_id for block in added]
 
-    def free(self, request: Request) -> None:
-        """Give back every block of the request, tail first, so that with prefix caching its
-        least shareable blocks (the tail) are evicted before its prefix."""
+    def free(self, request: Request, *, uncache: bool = False) -> None:
+        """Give back every block of the request, tail first, so that its least shareable
+        blocks (the tail) are evicted before its prefix. Blocks others hold stay theirs.
+        `uncache`: the request's step failed, so K/V it was to write cannot be trusted;
+        its blocks leave the prefix cache (conservatively, all of them)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        if uncache:
+            self.block_pool.uncache(blocks)
         self.block_pool.free_blocks(reversed(blocks))

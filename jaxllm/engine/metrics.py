@@ -20,6 +20,11 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
     num_generation_tokens: int = 0  # output tokens appended (after stop truncation)
+    # Prefix cache, in tokens, over requests admitted with a lookup (first schedule or resume
+    # after preemption; not prompt_logprobs requests, not with caching off): tokens looked
+    # up, and those found cached. hits / queries is the hit rate.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 # Field -> exported metric name, following vLLM's `vllm:*` names under a `jaxllm:` prefix.
@@ -30,4 +35,6 @@ METRIC_NAMES: dict[str, str] = {
     "num_preemptions": "jaxllm:num_preemptions_total",
     "num_prompt_tokens": "jaxllm:prompt_tokens_total",
     "num_generation_tokens": "jaxllm:generation_tokens_total",
+    "prefix_cache_queries": "jaxllm:prefix_cache_queries",
+    "prefix_cache_hits": "jaxllm:prefix_cache_hits",
 }

@@ -21,6 +21,11 @@ device), but not yet in the token list:
 
     p0 ... p9 o0 o1 o2 | [o3]       num_computed_tokens = 13, num_tokens = 13,
                                     num_output_placeholders = 1, num_tokens_with_placeholders = 14
+
+For prefix caching a request also keeps `block_hashes`, the chained hashes of its full blocks
+(engine/block_hash.py). They are a function of the known tokens only, so they grow with the
+token list (prompt blocks on arrival, output blocks as they fill), never for placeholders,
+and survive preemption.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from typing import Protocol
+
+from jaxllm.engine.block_hash import BlockHash, extend_block_hashes
 
 
 class RequestStatus(enum.IntEnum):
@@ -96,6 +103,12 @@ class Request:
         # dropped when they arrive and re-sampled after the recompute.
         self.num_stale_outputs = 0
         self.num_preemptions = 0
+        # Prompt tokens taken from the prefix cache when first scheduled (vLLM's
+        # num_cached_tokens; a resume after preemption does not change it).
+        self.num_cached_tokens = 0
+        # Chained hashes of the full blocks whose tokens are all known; grown by
+        # `update_block_hashes`, only while prefix caching is on.
+        self.block_hashes: list[BlockHash] = []
         self._num_prompt_tokens = len(prompt_token_ids)
         self._all_token_ids: list[int] = list(prompt_token_ids)
 
@@ -105,6 +118,11 @@ class Request:
             self._all_token_ids.append(token_ids)
         else:
             self._all_token_ids.extend(token_ids)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Hash the blocks that became full (of known tokens) since the last call."""
+        extend_block_hashes(self.block_hashes, self._all_token_ids, block_size,
+                            self.cache_extra_keys)
 
     # -- derived views -----------------------------------------------------------------
     @property
@@ -131,6 +149,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self._all_token_ids) - self._num_prompt_tokens
+
+    @property
+    def cache_extra_keys(self) -> tuple:
+        """What besides the tokens a cached block must match: empty today; a LoRA id and
+        `cache_salt` will go here."""
+        return ()
 
     @property
     def max_tokens(self) -> int:

@@ -13,8 +13,20 @@ There are no prefill and decode phases. Every step has one budget of
      recompute: blocks freed, progress reset, sent to the front of `waiting`) until it fits;
      if it is itself the tail, it preempts itself.
   2. waiting requests, first come first served, while fewer than `max_num_seqs` run and no
-     one was preempted this step. A prompt bigger than the rest of the budget gets a partial
-     chunk (chunked prefill) and finishes it in later steps as a running request.
+     one was preempted this step. Each first takes its longest cached prefix of full blocks
+     (prefix caching; a resumed request too), then asks for the rest. A prompt bigger than
+     the rest of the budget gets a partial chunk (chunked prefill) and finishes it in later
+     steps as a running request.
+
+A waiting request with a prefix-cache hit (block_size 4, prompt of 11, budget 5):
+
+    positions:  0  1  2  3 | 4  5  6  7 | 8  9 10
+                <---- cache hit -----> | <-- 3 scheduled (the rest of the prompt)
+    num_computed_tokens 0 -> 8 (the hit), then -> 11 when scheduled; budget spent: 3
+
+Blocks are offered to the prefix cache when they are scheduled, not when computed, so the
+n > 1 children of one prompt admitted in the same step share its blocks: the first computes
+them, the others hit them (the model step writes every row's K/V before any row reads).
 
 `num_computed_tokens` advances as soon as tokens are scheduled, so a step's outputs only add
 sampled tokens; a request whose chunk ended mid-prompt gets none. A step that will sample for
@@ -74,6 +86,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Prefix cache, in tokens (vLLM's counters): tokens looked up, and tokens found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -86,6 +101,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} prompt "
                              f"tokens, more than max_model_len={self.max_model_len}")
         self.requests[request.request_id] = request
+        self.kv_cache_manager.update_block_hashes(request)  # the prompt's full blocks
         self.waiting.append(request)
 
     def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus
@@ -121,11 +137,19 @@ class Scheduler:
 
     def preempt_all(self) -> None:
         """Send every running request back to waiting to recompute (after the device lost its
-        KV cache), tail first so the oldest resumes first."""
+        KV cache), tail first so the oldest resumes first. The cached prefixes were in that
+        KV cache too: they are forgotten."""
         while self.running:
             request = self.running.pop()
             self._preempt(request)
             self._preempted_req_ids.add(request.request_id)
+        reset = self.kv_cache_manager.reset_prefix_cache()
+        assert reset, "blocks still held after preempting every running request"
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache). Refused, returning False,
+        while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -165,10 +189,14 @@ class Scheduler:
         while (not preempted and self.waiting and token_budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            num_new_tokens = self._num_new_tokens(request, token_budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, token_budget, num_hit)
+            if self.kv_cache_manager.allocate_slots(request, num_new_tokens,
+                                                    computed_blocks) is None:
                 break
             self.waiting.popleft()
+            self._record_cache_hit(request, num_hit)
+            request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled_new.append(request)
@@ -223,6 +251,9 @@ class Scheduler:
             request.num_output_placeholders -= 1 if sampled else 0
             new_token_ids = self._append_until_stop(request, sampled)
             prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            if new_token_ids:
+                # Blocks that just filled join the prefix cache, before any free below.
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if request.is_finished():
                 stopped.add(request)
                 self._free_request(request)
@@ -235,6 +266,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     new_logprobs=None if logprobs is None else logprobs[i],
                     new_prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=request.num_cached_tokens,
                 ))
         if stopped:
             self.running = [r for r in self.running if r not in stopped]
@@ -248,18 +280,25 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )
 
     # -- helpers ------------------------------------------------------------------------
-    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+    def _num_new_tokens(self, request: Request, token_budget: int,
+                        num_computed_tokens: int | None = None) -> int:
+        """Tokens to schedule after `num_computed_tokens` (default: the request's; a waiting
+        request passes its cache hit)."""
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
         num_tokens = request.num_tokens_with_placeholders
         if request.num_output_placeholders and (
                 num_tokens >= self.max_model_len
                 or request.num_output_tokens + request.num_output_placeholders
                 >= request.max_tokens):
             return 0  # the token in flight is its last
-        return min(num_tokens - request.num_computed_tokens, token_budget,
-                   self.max_model_len - request.num_computed_tokens)
+        return min(num_tokens - num_computed_tokens, token_budget,
+                   self.max_model_len - num_computed_tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
                              preempted: list[Request]) -> list[int] | None:
@@ -289,6 +328,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _record_cache_hit(self, request: Request, num_hit: int) -> None:
+        if request.status == RequestStatus.WAITING:  # first schedule, not a resume
+            request.num_cached_tokens = num_hit
+        if self.kv_cache_manager.uses_prefix_cache(request):
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit
+
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
             req_id=request.request_id,
@@ -314,7 +360,9 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         assert request.is_finished(), request
-        self.kv_cache_manager.free(request)
+        # A failed step may not have written the K/V its requests' blocks were offered for.
+        self.kv_cache_manager.free(
+            request, uncache=request.status == RequestStatus.FINISHED_ERROR)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -324,6 +372,10 @@ class Scheduler:
         assert output.total_num_scheduled_tokens <= self.max_num_batched_tokens
         assert len(scheduled) <= len(self.running) <= self.max_num_seqs
         block_size = self.kv_cache_manager.block_size
+        for new in output.scheduled_new_reqs:  # a cache hit is whole blocks, never all
+            assert new.num_computed_tokens % block_size == 0, new.req_id
+            assert new.num_computed_tokens < len(new.prompt_token_ids) + len(
+                new.output_token_ids), new.req_id
         for req_id, num_tokens in scheduled.items():
             request = self.requests[req_id]
             assert num_tokens > 0 and request.status == RequestStatus.RUNNING, request

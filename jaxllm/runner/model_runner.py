@@ -10,6 +10,14 @@ A step is two halves so that the engine can overlap them (async scheduling):
     fetch(pending) -> ModelRunnerOutput   waits for that step's tokens and logprobs
 
 `execute_model(so)` is the synchronous composition of the two.
+
+A request that joins with num_computed_tokens > 0 (a prefix-cache hit) never runs its
+cached positions, so the step never writes them into its token-history row, which the
+penalties read. `dispatch` uploads the row from the host first (one small donated update,
+compiled at warm-up like the buckets):
+
+    host row (slot 2):    p0 p1 p2 p3 p4 p5 p6 p7 p8 p9
+                          <-- cache hit: uploaded --> <- the step writes these ->
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from jaxllm.models.base import AttentionMetadata
+from jaxllm.models.layers import kv_storage_dtype
 from jaxllm.models.llama import init_kv_caches
 from jaxllm.models.sharding import kv_cache_sharding
 from jaxllm.runner.buckets import BucketConfig
@@ -72,12 +81,18 @@ class ModelRunner:
             make_step_fn(self.graphdef, attention_backend, rep),
             lambda T, W: (self.state, self.kv_caches, self.token_ids,
                           *abstract_inputs(T, buckets.seqs_for(T), W, rep)))
+        # One key, (): the whole-row upload of a slot's token history (see the docstring).
+        self.history_fns = CompiledFunctions(
+            jax.jit(_set_history_row, donate_argnums=0),
+            lambda: (self.token_ids, jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                     jax.ShapeDtypeStruct((max_model_len,), jnp.int32, sharding=rep)))
 
     def reset_device_state(self) -> None:
         """Fresh (zero) KV cache and token history: at start-up, and after a failed step
         consumed the donated ones (every request then recomputes)."""
         self.kv_caches = init_kv_caches(self.model_config, self.num_blocks, self.block_size,
-                                        self.kv_dtype, self.kv_sharding)
+                                        kv_storage_dtype(self.kv_dtype, self.attention_backend),
+                                        self.kv_sharding)
         self.token_ids = jnp.zeros((self.max_num_seqs, self.max_model_len), jnp.int32,
                                    device=self.replicated)
 
@@ -99,6 +114,7 @@ class ModelRunner:
     def warmup(self, use_tqdm: bool = True) -> None:
         """Compile every bucket the engine can launch, so serving never compiles."""
         shapes = [(T, W) for T, _, W in self.buckets.all_shapes()]
+        self.history_fns.get(())
         # XLA compiles without the GIL: one thread per core roughly divides the wall time.
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             futures = [pool.submit(self.step_fns.get, shape) for shape in shapes]
@@ -116,8 +132,18 @@ class ModelRunner:
         self.input_batch.update_states(so)
         if so.is_empty:
             return None
+        for new in so.scheduled_new_reqs:
+            if new.num_computed_tokens:
+                self._upload_history(self.input_batch.req_id_to_slot[new.req_id])
         host = self.input_batch.prepare(so, self.buckets)
         return PendingStep(host, self.run(host))
+
+    def _upload_history(self, slot: int) -> None:
+        """Copy the host's token row of `slot` into the device token history."""
+        # A copy: the host row keeps changing while the (asynchronous) upload may still
+        # read the buffer it was given.
+        row = self.input_batch.token_ids[slot].copy()
+        self.token_ids = self.history_fns.get(())(self.token_ids, np.int32(slot), row)
 
     def run(self, host: HostStep) -> StepOutput:
         """Launch the device step for a packed batch (asynchronously: returns futures)."""
@@ -157,3 +183,8 @@ class ModelRunner:
         tensors = jax.device_get(out.prompt_logprobs)
         return {req_id: (first, logprobs_lists(tensors, slice(lo, hi), k))
                 for req_id, (lo, hi, first, k) in host.prompt_logprob_spans.items()}
+
+
+def _set_history_row(token_ids_RL: jax.Array, slot: jax.Array, row_L: jax.Array) -> jax.Array:
+    """token_ids_RL [R, L] with row `slot` replaced by row_L [L] (donated: in place)."""
+    return token_ids_RL.at[slot].set(row_L)

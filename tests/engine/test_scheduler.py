@@ -18,8 +18,10 @@ Params = functools.partial(SamplingParams, max_tokens=16)
 
 
 def make_scheduler(*, num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
-                   max_num_batched_tokens=64) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, max_model_len)
+                   max_num_batched_tokens=64, enable_caching=False) -> Scheduler:
+    # Prefix caching off: these requests share prompts, and the exact block ids below are
+    # the scheduler's without it (tests/engine/test_prefix_caching.py covers it on).
+    kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching=enable_caching)
     return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
 
 
