@@ -1,20 +1,30 @@
-"""jaxllm: a JAX/XLA reimplementation of vLLM's offline engine."""
+"""jaxllm: a JAX/XLA reimplementation of vLLM: `LLM` offline, `AsyncLLM` and `jaxllm serve`."""
 
 from jaxllm.platform import set_default_platform
 
 set_default_platform()  # before anything imports jax: CPU on a machine with no NVIDIA GPU
 
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from jaxllm.sampling_params import SamplingParams  # noqa: E402
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+
+# These pull in jax and the models: import them on first use so `import jaxllm` stays light.
+_LAZY = {
+    "LLM": ("jaxllm.llm", "LLM"),
+    "AsyncLLM": ("jaxllm.engine.async_llm", "AsyncLLM"),
+    "AsyncLLMEngine": ("jaxllm.engine.async_llm", "AsyncLLMEngine"),
+    "AsyncEngineArgs": ("jaxllm.engine.async_llm", "AsyncEngineArgs"),
+}
 
 
 def __getattr__(name):
-    # LLM pulls in jax and the models; import it on first use so `import jaxllm` stays light.
-    if name == "LLM":
-        from jaxllm.llm import LLM
-        return LLM
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "SamplingParams",
+           "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.cache import AUTO
 from jaxllm.kernels import ATTENTION_BACKENDS
 from jaxllm.sampling_params import MAX_LOGPROBS
 
@@ -36,13 +37,18 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False  # compile buckets lazily instead of all at start-up
-    attention_backend: str | None = None  # None: "pallas" on GPU, "xla" elsewhere
-    compilation_cache_dir: str | None = None  # turns on JAX's persistent compilation cache
+    # None: "pallas" on GPU; on CPU "cpu" when its C++ library is built and TP is 1, else "xla".
+    attention_backend: str | None = None
+    # JAX's persistent compilation cache (and converted GGUF copies), by default under the
+    # user's cache directory (jaxllm/cache.py; JAXLLM_CACHE_DIR moves it); None turns both off.
+    compilation_cache_dir: str | None = AUTO
     max_logprobs: int = 20
     gguf_file: str | None = None
     tensor_parallel_size: int = 1  # devices on one "tp" mesh axis (Megatron layout)
     # Schedule step N+1 while step N runs (vLLM's async scheduler); same outputs either way.
     async_scheduling: bool = True
+    # Reuse the KV blocks of prompt prefixes already computed (vLLM v1's default: on).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "gguf_file", "compilation_cache_dir"):
@@ -55,7 +61,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-        for name in ("enforce_eager", "async_scheduling"):
+        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got "
                                  f"{type(getattr(self, name)).__name__}")

@@ -18,7 +18,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.engine.processor import PromptInput, broadcast_params, parse_prompts
 from jaxllm.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -53,6 +53,10 @@ class LLM:
     def get_metrics(self):
         return self.llm_engine.get_metrics()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     # ---- generate ------------------------------------------------------------------------
 
     def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True, *,
@@ -65,16 +69,19 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
         prompts = self.llm_engine.processor.render_chat(
-            messages, chat_template, add_generation_prompt, continue_final_message)
+            messages, chat_template, add_generation_prompt, continue_final_message,
+            chat_template_kwargs)
         return self._run(prompts, broadcast_params(sampling_params, len(prompts)), use_tqdm)
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        order = engine.add_requests(prompts, params)  # all or nothing
+        # All or nothing; one output per request, at its end (vLLM's offline behaviour).
+        order = engine.add_requests(prompts, params, output_kind=RequestOutputKind.FINAL_ONLY)
         try:
             return self._run_engine(order, use_tqdm)
         except BaseException:
@@ -93,7 +100,7 @@ class LLM:
         in_toks = out_toks = 0
         while len(done) < len(order):
             for out in engine.step():
-                if out.request_id not in wanted:
+                if out.request_id not in wanted or not out.finished:
                     continue
                 done[out.request_id] = out
                 in_toks += len(out.prompt_token_ids)

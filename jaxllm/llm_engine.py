@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
+from jaxllm.cache import compilation_cache_dir, enable_compilation_cache
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core import EngineCore, StepFailed
 from jaxllm.engine.kv_cache_manager import KVCacheManager
@@ -25,18 +25,17 @@ from jaxllm.engine.request import RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.kernels import default_attention_backend
 from jaxllm.metrics import EngineMetrics
-from jaxllm.models.gguf import open_gguf
-from jaxllm.models.resolve import DEFAULT_MODEL, load_model, resolve_model
+from jaxllm.models.dtype import resolve_dtype
+from jaxllm.models.checkpoint import load_checkpoint
+from jaxllm.models.resolve import DEFAULT_MODEL, resolve_model
 from jaxllm.models.sharding import make_mesh, param_sharding
 from jaxllm.outputs import RequestOutput
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.kv_cache import determine_num_blocks
 from jaxllm.runner.model_runner import ModelRunner
-from jaxllm.sampling_params import SamplingParams
-from jaxllm.tokenizer import get_tokenizer, tokenizer_from_gguf
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def _on_accelerator() -> bool:
@@ -45,20 +44,16 @@ def _on_accelerator() -> bool:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, use_tqdm: bool = True):
-        if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        cache_dir = compilation_cache_dir(config.compilation_cache_dir)
+        enable_compilation_cache(cache_dir)
         accel = _on_accelerator()
-        # "auto": float32 on CPU (XLA:CPU runs bf16 matmuls slower than f32), bfloat16 on
-        # accelerators (what vLLM serves Llama checkpoints in).
-        dtype = _DTYPES[config.dtype] if config.dtype != "auto" else (
-            jnp.bfloat16 if accel else jnp.float32)
+        dtype = resolve_dtype(config.dtype, jax.default_backend())
         resolved = resolve_model(config.model or DEFAULT_MODEL, gguf_file=config.gguf_file)
         t0 = time.perf_counter()
-        reader = open_gguf(resolved.path) if resolved.kind == "gguf" else None
         mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
-        model, mcfg, gen = load_model(resolved, dtype, reader=reader,
-                                      sharding=param_sharding(mesh) if mesh else None)
+        model, mcfg, gen, self.tokenizer = load_checkpoint(
+            resolved, dtype, sharding=param_sharding(mesh) if mesh else None,
+            tokenizer=config.tokenizer, use_cache=cache_dir is not None)
         logger.info("loaded %s from %s in %.1f s", resolved.name, resolved.path,
                     time.perf_counter() - t0)
         if config.max_model_len and config.max_model_len > mcfg.max_position_embeddings:
@@ -68,13 +63,6 @@ class LLMEngine:
                 f"{mcfg.max_position_embeddings}")
         self.config = config = config.resolved(mcfg.max_position_embeddings, accel)
         self.model_config = mcfg
-        if config.tokenizer:
-            self.tokenizer = get_tokenizer(config.tokenizer)
-        elif reader is not None:
-            self.tokenizer = tokenizer_from_gguf(resolved.path, reader=reader)
-        else:
-            self.tokenizer = get_tokenizer(resolved.path)
-        del reader
         eos = self.tokenizer.eos_token_id
         gen_eos = gen.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
@@ -86,10 +74,12 @@ class LLMEngine:
                                    extra_eos_ids=extra_eos_ids, engine_seed=config.seed)
 
         num_blocks = determine_num_blocks(config, mcfg, dtype)
-        kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.max_model_len)
+        kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.max_model_len,
+                                          enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(kv_cache_manager, config.max_num_seqs,
                               config.max_num_batched_tokens, config.max_model_len)
-        backend = config.attention_backend or default_attention_backend()
+        backend = config.attention_backend or default_attention_backend(
+            config.tensor_parallel_size)
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.
         buckets = BucketConfig.create(config.max_num_batched_tokens, config.max_num_seqs,
@@ -101,8 +91,8 @@ class LLMEngine:
                              eos_token_ids=tuple(self.processor.eos_token_ids), mesh=mesh)
         del model
         self.engine_core = EngineCore(scheduler, runner, config.async_scheduling)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(resolved.name)
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self._aborted_outputs: list[RequestOutput] = []
         self.warmup_seconds = 0.0
         if not config.enforce_eager:
@@ -135,20 +125,29 @@ class LLMEngine:
 
     def add_requests(self, prompts: Sequence[PromptInput], params: Sequence[SamplingParams],
                      request_ids: Sequence[str | None] | None = None,
-                     arrival_time: float | None = None) -> list[str]:
+                     arrival_time: float | None = None,
+                     output_kind: RequestOutputKind | None = None) -> list[str]:
         """Admit a batch, all or nothing: every prompt is tokenized and checked, and every
-        id checked for collisions, before the first one is queued."""
+        id checked for collisions, before the first one is queued. output_kind overrides
+        the params' (LLM.generate uses FINAL_ONLY)."""
         request_ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
-        processed: list[ProcessedRequest] = [self.processor.process(p, sp)
+        processed: list[ProcessedRequest] = [self.processor.process(p, sp, output_kind)
                                              for p, sp in zip(prompts, params, strict=True)]
         self._check_ids(processed, request_ids)
         fanned: list[FanOut] = [self.processor.fan_out(r, rid, arrival_time)
                                 for r, rid in zip(processed, request_ids)]
         for request in fanned:
-            self.output_processor.add_request(request, request.children[0].arrival_time)
-            for child in request.children:
-                self.engine_core.add_request(child)
+            self.admit(request)
         return [r.request_id for r in fanned]
+
+    def admit(self, request: FanOut) -> None:
+        """Queue a request the processor has checked and fanned out (its ids unused)."""
+        self.output_processor.add_request(request, request.children[0].arrival_time)
+        for child in request.children:
+            self.engine_core.add_request(child)
+
+    def is_live(self, request_id: str) -> bool:
+        return self.output_processor.is_live(request_id) or request_id in self.scheduler.requests
 
     def _check_ids(self, processed: list[ProcessedRequest],
                    request_ids: list[str | None]) -> None:
@@ -159,8 +158,7 @@ class LLMEngine:
             n = request.params.n
             ids = [request_id] + ([] if n == 1 else [f"{i}_{request_id}" for i in range(n)])
             for rid in ids:
-                if rid in seen or self.output_processor.is_live(rid) \
-                        or rid in self.scheduler.requests:
+                if rid in seen or self.is_live(rid):
                     raise ValueError(f"request_id {request_id!r} is already in flight: request "
                                      "ids must be unique among unfinished requests")
                 seen.add(rid)
@@ -168,17 +166,17 @@ class LLMEngine:
     def abort_request(self, request_ids) -> None:
         """Abort requests by id (a parent id aborts all its `n` children). Their blocks are
         freed now; their final outputs (finish_reason "abort") come out of the next step()."""
-        self._aborted_outputs += self._abort(request_ids)
+        self._aborted_outputs += self.abort_now(request_ids)
 
     def discard_requests(self, request_ids) -> None:
         """Abort requests whose caller will never read them (no final outputs)."""
-        self._abort(request_ids)
+        self.abort_now(request_ids)
 
-    def _abort(self, request_ids) -> list[RequestOutput]:
+    def abort_now(self, request_ids) -> list[RequestOutput]:
+        """Abort requests and return their final outputs (finish_reason "abort") at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         child_ids, finished = self.output_processor.abort_requests(ids)
         self.engine_core.abort_requests(child_ids)
-        self._record(finished)
         return finished
 
     # ---- the loop ------------------------------------------------------------------------
@@ -188,25 +186,30 @@ class LLMEngine:
                 or bool(self._aborted_outputs))
 
     def step(self) -> list[RequestOutput]:
-        """One engine step: the requests that finished in it. If the step raises, the requests
-        it carried are finished with an error and StepFailed (listing them, with the
-        original exception as its cause) is raised; the engine keeps serving the rest."""
+        """One engine step: the outputs it emits (finished requests, and for CUMULATIVE / DELTA
+        requests every one that advanced). If the step raises, the requests it carried are
+        finished with an error and StepFailed (listing them, with the original exception as
+        its cause) is raised; the engine keeps serving the rest."""
         finished, self._aborted_outputs = self._aborted_outputs, []
         try:
             engine_outputs = self.engine_core.step()
         except StepFailed as failure:
-            self._record(self.output_processor.process_outputs(failure.outputs)[0])
+            # A failed step fails whole user requests: their other children end too.
+            children = self.output_processor.children
+            failure.request_ids = sorted({children[c].parent.request_id
+                                          for c in failure.req_ids if c in children})
+            self.output_processor.process_outputs(failure.outputs)
+            self.abort_now(failure.request_ids)
             raise
         done, stopped = self.output_processor.process_outputs(engine_outputs)
         if stopped:
             self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self._record(done)
         return finished + done
 
-    def _record(self, finished: list[RequestOutput]) -> None:
-        for out in finished:
-            for c in out.outputs:
-                self.metrics.record_finished(c.finish_reason)
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name). Refused (False) while requests hold
+        blocks."""
+        return self.scheduler.reset_prefix_cache()
 
     def get_metrics(self):
         return self.metrics.snapshot(self.scheduler.make_stats())

@@ -111,7 +111,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None  # the stop token id that matched; None otherwise
     new_logprobs: Any | None = None  # copied through from ModelRunnerOutput.logprobs
     new_prompt_logprobs: Any | None = None  # copied through from .prompt_logprobs
-    num_cached_tokens: int = 0  # prefix-cache hits; always 0 until prefix caching exists
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
 
     @property
     def finished(self) -> bool:

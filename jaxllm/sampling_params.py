@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import math
 
 # Temperatures below this mean greedy decoding (vLLM's `_SAMPLING_EPS`). Unlike vLLM we do not
@@ -17,6 +18,18 @@ SAMPLING_EPS = 1e-5
 # vLLM's default `max_logprobs`: the most logprobs (sample or prompt) one request may ask for. The
 # sampler's static top-k width is built from it, so raising it costs compile variants.
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries (vLLM's names).
+
+    CUMULATIVE: everything so far, on every step; DELTA: only what is new since the previous
+    output (their concatenation is the final output); FINAL_ONLY: one output, at the end
+    (what `LLM.generate` uses)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(value) -> bool:
@@ -48,11 +61,10 @@ class SamplingParams:
     stop: str | list[str] | None = None  # normalised to a list
     stop_token_ids: list[int] | None = None  # normalised to a list without duplicates
     ignore_eos: bool = False
-    # vLLM defaults to 16, which silently truncates almost every answer and is a long-standing
-    # complaint. We pick 256: enough for a typical chat reply or short completion, while a model
-    # that never emits EOS still stops after a bounded, cheap amount of work. Pass max_tokens
-    # explicitly for longer outputs.
-    max_tokens: int = 256
+    # vLLM's default: code written for vLLM generates here what it did there (short: pass
+    # max_tokens for longer outputs). The server uses 16 for completions too, and the rest of
+    # the context for chat, as vLLM's does.
+    max_tokens: int = 16
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
     logprobs: int | None = None  # top-k raw logprobs per generated token (+ the sampled one)
     prompt_logprobs: int | None = None  # top-k raw logprobs per prompt token (+ the actual one)
@@ -60,6 +72,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Accepted for vLLM compatibility and refused at admission, as vLLM v1 refuses them:
+    # per-request logits processors (arbitrary Python on the logits) and best_of.
+    logits_processors: list | None = None
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -153,6 +170,9 @@ class SamplingParams:
             raise ValueError(f"stop must contain only non-empty strings, got {self.stop}.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError("output_kind must be a RequestOutputKind, got "
+                             f"{self.output_kind!r}.")
 
     def verify(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Check the logprob requests against the engine's cap (raises ValueError)."""

@@ -11,7 +11,7 @@ def test_defaults_and_normalisation():
     p = SamplingParams()
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
-    assert p.stop == [] and p.stop_token_ids == [] and p.max_tokens == 256
+    assert p.stop == [] and p.stop_token_ids == [] and p.max_tokens == 16  # vLLM's
     assert SamplingParams(seed=-1).seed is None  # vLLM: -1 means no seed
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(stop_token_ids=[5, 3, 5]).stop_token_ids == [5, 3]

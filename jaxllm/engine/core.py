@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 class StepFailed(RuntimeError):
     """A step raised: `outputs` are the final (finish_reason "error") outputs of the requests
-    it carried; `__cause__` is the original exception."""
+    it carried (`req_ids`, engine-core ids); `__cause__` is the original exception. The
+    front end sets `request_ids` to the user-level ids that failed."""
 
     def __init__(self, outputs: list[EngineCoreOutput], cause: BaseException):
         ids = [o.req_id for o in outputs]
@@ -41,6 +42,7 @@ class StepFailed(RuntimeError):
                          f"finished with an error: {ids}")
         self.outputs = outputs
         self.req_ids = ids
+        self.request_ids: list[str] = ids
 
 
 class EngineCore:

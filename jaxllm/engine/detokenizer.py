@@ -64,15 +64,20 @@ class IncrementalDetokenizer:
         """
         if self.stop_string is not None:
             return None
-        self.output_token_ids.extend(new_token_ids)
         if not self.detokenize:
+            self.output_token_ids.extend(new_token_ids)
             return None
-        old_len = len(self._stable_text)
+        # Text of tokens still inside min_tokens may not end a request: when several tokens
+        # arrive at once, the stop check starts after the min_tokens-th token's text.
+        check_from = len(self._stable_text)
         for token_id in new_token_ids:
+            self.output_token_ids.append(token_id)
             self._ids.append(token_id)
             self._stable_text += self._decode_next()
+            if len(self.output_token_ids) <= self.min_tokens:
+                check_from = len(self._stable_text)
         if self.stop and len(self.output_token_ids) > self.min_tokens:
-            self._check_stop_strings(len(self._stable_text) - old_len)
+            self._check_stop_strings(len(self._stable_text) - check_from)
         return self.stop_string
 
     @property

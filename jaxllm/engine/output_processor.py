@@ -1,9 +1,18 @@
 """EngineCoreOutputs -> user-facing RequestOutputs: detokenize, stop strings, logprobs, n > 1.
 
-Owns, per request, everything the user sees (text, token ids, logprobs, finish reason) and
-the fan-in of `n` child requests into one RequestOutput. Never schedules: when a stop string
-ends a request, it reports the id back so the engine finishes it in the scheduler; an abort
-names the child ids the engine core must drop.
+Owns, per request, everything the user sees (text, token ids, logprobs, finish reason), the
+fan-in of `n` child requests into one RequestOutput, and what each step emits by the
+request's `output_kind`:
+
+    FINAL_ONLY  one RequestOutput when every child has finished, all completions in it
+    CUMULATIVE  on each step a child advances: that child's completion so far
+    DELTA       on each step a child advances: only its new text, token ids and logprobs
+
+Streamed text never shows the last `len(longest stop string) - 1` characters of a running
+request (they may turn out to start a stop string) nor a character still missing bytes, so
+the concatenation of DELTA outputs is exactly the final output. Never schedules: when a stop
+string ends a request, it reports the id back so the engine finishes it in the scheduler; an
+abort names the child ids the engine core must drop.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from jaxllm.engine.logprobs import LogprobsProcessor
 from jaxllm.engine.processor import FanOut
 from jaxllm.messages import EngineCoreOutput
 from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclasses.dataclass
@@ -28,9 +37,12 @@ class ParentRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     n: int
+    output_kind: RequestOutputKind
     metrics: RequestMetrics
     completions: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)
     prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -42,17 +54,21 @@ class ChildState:
     logprobs: LogprobsProcessor
     token_ids: list[int] = dataclasses.field(default_factory=list)
     num_prompt_logprobs: int = 1  # positions already filled (position 0 is always None)
+    num_sent_tokens: int = 0  # DELTA: token ids (and their logprobs) already emitted
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, metrics=None):
+        """metrics: a jaxllm.metrics.EngineMetrics that sees each request's latencies."""
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, ChildState] = {}
 
     def add_request(self, request: FanOut, arrival_time: float) -> None:
         parent = ParentRequest(request.request_id, request.prompt, request.prompt_token_ids,
-                               len(request.children), RequestMetrics(arrival_time=arrival_time))
+                               len(request.children), request.params.output_kind,
+                               RequestMetrics(arrival_time=arrival_time))
         self.parents[request.request_id] = parent
         for index, child in enumerate(request.children):
             params = child.sampling_params
@@ -68,9 +84,9 @@ class OutputProcessor:
 
     def abort_requests(self, request_ids) -> tuple[list[str], list[RequestOutput]]:
         """Abort parents (all their children) or single children, by id. -> (the child ids the
-        engine core must drop, one final RequestOutput per affected parent, its unfinished
-        completions marked finish_reason "abort"). Unknown ids are ignored."""
-        child_ids, finished, now = [], [], time.time()
+        engine core must drop, the outputs that end them: finish_reason "abort" on each
+        unfinished completion). Unknown ids are ignored."""
+        child_ids, outputs, now = [], [], time.time()
         for request_id in request_ids:
             parent = self.parents.get(request_id)
             if parent is None and request_id in self.children:
@@ -80,30 +96,31 @@ class OutputProcessor:
             targets = [cid for cid, c in self.children.items() if c.parent is parent
                        and (request_id == parent.request_id or cid == request_id)]
             for child_id in targets:
-                self._finish_child(self.children.pop(child_id), "abort", None)
+                child = self.children.pop(child_id)
                 child_ids.append(child_id)
-            if len(parent.completions) == parent.n:
-                finished.append(self._close(parent, now))
-        return child_ids, finished
+                emitted = self._end_child(child, "abort", None, now)
+                if emitted is not None:
+                    outputs.append(emitted)
+        return child_ids, outputs
 
     def has_unfinished(self) -> bool:
         return bool(self.children)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]
                         ) -> tuple[list[RequestOutput], list[str]]:
-        """-> (finished parent outputs, child ids that a stop string ended)."""
+        """-> (the RequestOutputs this step emits, child ids that a stop string ended)."""
         now = time.time()
-        finished, stopped_by_string = [], []
+        emitted, stopped_by_string = [], []
         for out in outputs:
             child = self.children.get(out.req_id)
             if child is None:
                 continue
             parent = child.parent
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.new_prompt_logprobs is not None:
                 self._add_prompt_logprobs(child, *out.new_prompt_logprobs)
             if out.new_token_ids:
-                parent.metrics.first_token_time = parent.metrics.first_token_time or now
-                parent.metrics.last_token_time = now
+                self._token_times(parent.metrics, now)
             if out.new_logprobs is not None:
                 child.logprobs.add_sample_logprobs(out.new_logprobs)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
@@ -118,16 +135,78 @@ class OutputProcessor:
                     stopped_by_string.append(out.req_id)
                 finish_reason, stop_reason = "stop", stop_str
             if finish_reason is not None:
-                self._finish_child(child, finish_reason, stop_reason)
                 del self.children[out.req_id]
-                if len(parent.completions) == parent.n:
-                    finished.append(self._close(parent, now))
-        return finished, stopped_by_string
+                result = self._end_child(child, finish_reason, stop_reason, now)
+            elif parent.output_kind != RequestOutputKind.FINAL_ONLY and out.new_token_ids:
+                result = self._stream_output(child, None, None)
+            else:
+                result = None
+            if result is not None:
+                emitted.append(result)
+        return emitted, stopped_by_string
 
-    def _close(self, parent: ParentRequest, now: float) -> RequestOutput:
-        parent.metrics.finished_time = now
-        del self.parents[parent.request_id]
-        return self._make_output(parent)
+    def _token_times(self, m: RequestMetrics, now: float) -> None:
+        if m.last_token_time is not None and self.metrics is not None:
+            self.metrics.observe("jaxllm:inter_token_latency_seconds", now - m.last_token_time)
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = now
+
+    # ---- building outputs -------------------------------------------------------------
+
+    def _end_child(self, child: ChildState, finish_reason: str, stop_reason, now: float
+                   ) -> RequestOutput | None:
+        """Record a child's final completion; -> what to emit for it (None while a
+        FINAL_ONLY parent still waits for other children)."""
+        parent = child.parent
+        parent.completions[child.index] = self._completion(child, finish_reason, stop_reason,
+                                                           final=True, delta=False)
+        done = len(parent.completions) == parent.n
+        if done:
+            parent.metrics.finished_time = now
+            del self.parents[parent.request_id]
+            if self.metrics is not None:
+                completions = list(parent.completions.values())
+                self.metrics.record_request(
+                    parent.metrics, len(parent.prompt_token_ids),
+                    sum(len(c.token_ids) for c in completions),
+                    [c.finish_reason for c in completions])
+        if parent.output_kind == RequestOutputKind.FINAL_ONLY:
+            return self._make_output(parent) if done else None
+        return self._stream_output(child, finish_reason, stop_reason)
+
+    def _stream_output(self, child: ChildState, finish_reason, stop_reason) -> RequestOutput:
+        """One child's CUMULATIVE or DELTA completion, in a RequestOutput of its parent."""
+        parent = child.parent
+        delta = parent.output_kind == RequestOutputKind.DELTA
+        completion = self._completion(child, finish_reason, stop_reason,
+                                      final=finish_reason is not None, delta=delta)
+        prompt_logprobs = parent.prompt_logprobs
+        if delta and parent.prompt_logprobs_sent:
+            prompt_logprobs = None
+        parent.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=prompt_logprobs,
+            outputs=[completion], finished=parent.request_id not in self.parents,
+            metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens)
+
+    @staticmethod
+    def _completion(child: ChildState, finish_reason, stop_reason, *, final: bool,
+                    delta: bool) -> CompletionOutput:
+        text = child.detokenizer.get_next_output_text(finished=final, delta=delta)
+        start = child.num_sent_tokens if delta else 0
+        if delta:
+            child.num_sent_tokens = len(child.token_ids)
+        logprobs = child.logprobs.logprobs
+        return CompletionOutput(
+            index=child.index,
+            text=text,
+            token_ids=child.token_ids[start:],
+            cumulative_logprob=child.logprobs.cumulative_logprob,
+            logprobs=None if logprobs is None else logprobs[start:],
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
 
     def _add_prompt_logprobs(self, child: ChildState, first_position: int, lists) -> None:
         # Chunks can repeat after a preemption (the prompt is recomputed): keep the first.
@@ -143,17 +222,6 @@ class OutputProcessor:
         if child.index == 0:
             child.parent.prompt_logprobs = child.logprobs.prompt_logprobs
 
-    def _finish_child(self, child: ChildState, finish_reason: str, stop_reason) -> None:
-        child.parent.completions[child.index] = CompletionOutput(
-            index=child.index,
-            text=child.detokenizer.output_text,
-            token_ids=list(child.token_ids),
-            cumulative_logprob=child.logprobs.cumulative_logprob,
-            logprobs=child.logprobs.logprobs,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-        )
-
     @staticmethod
     def _make_output(parent: ParentRequest) -> RequestOutput:
         return RequestOutput(
@@ -164,4 +232,5 @@ class OutputProcessor:
             outputs=[parent.completions[i] for i in range(parent.n)],
             finished=True,
             metrics=parent.metrics,
+            num_cached_tokens=parent.num_cached_tokens,
         )

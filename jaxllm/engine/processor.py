@@ -18,7 +18,7 @@ from typing import Any
 
 from jaxllm.messages import EngineCoreRequest
 from jaxllm.runner.sampling_metadata import banned_until_min_tokens, request_seed
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -129,6 +129,15 @@ def check_conversation(conversation: Any, index: int = 0) -> None:
                          f"{{'type': 'text', 'text': str}} parts, got {content!r:.80}")
 
 
+def _text_content(message: dict) -> dict:
+    """OpenAI's list of text parts joined into one string (as vLLM does for text models):
+    chat templates expect a string."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return {**message, "content": "\n".join(part["text"] for part in content)}
+    return message
+
+
 def _as_list(value, name: str) -> list:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"{name} must be a list, got {type(value).__name__}")
@@ -166,9 +175,13 @@ class Processor:
     # ---- prompts -------------------------------------------------------------------------
 
     def render_chat(self, conversations, chat_template: str | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False
-                    ) -> list[PromptInput]:
-        """One conversation (a list of messages) or a list of them -> prompts."""
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptInput]:
+        """One conversation (a list of messages) or a list of them -> prompts.
+        chat_template_kwargs: extra variables for the template (e.g. enable_thinking)."""
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError("chat_template_kwargs must be a dict, got "
+                             f"{type(chat_template_kwargs).__name__}")
         if (isinstance(conversations, (list, tuple)) and conversations
                 and isinstance(conversations[0], dict)):
             conversations = [conversations]
@@ -179,9 +192,11 @@ class Processor:
         for i, conv in enumerate(conversations):
             try:
                 text = self.tokenizer.apply_chat_template(
-                    list(conv), chat_template=chat_template, tokenize=False,
+                    [_text_content(m) for m in conv], chat_template=chat_template,
+                    tokenize=False,
                     add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message)
+                    continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}))
             except Exception as e:  # jinja errors and template-raised exceptions
                 raise ValueError(f"the chat template failed on conversation {i}: "
                                  f"{type(e).__name__}: {e}") from e
@@ -190,8 +205,10 @@ class Processor:
             prompts.append(PromptInput(text, ids))
         return prompts
 
-    def process(self, prompt: PromptInput, params: SamplingParams) -> ProcessedRequest:
-        """Tokenize and check one request; raises ValueError naming what is wrong."""
+    def process(self, prompt: PromptInput, params: SamplingParams,
+                output_kind: RequestOutputKind | None = None) -> ProcessedRequest:
+        """Tokenize and check one request; raises ValueError naming what is wrong.
+        output_kind: overrides the params' (LLM.generate asks for FINAL_ONLY)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(params).__name__}")
@@ -199,7 +216,10 @@ class Processor:
         if ids is None:
             ids = self.tokenizer(prompt.text)["input_ids"]
         self.check_prompt(ids)
-        return ProcessedRequest(prompt.text, list(ids), self.check_params(params))
+        params = self.check_params(params)
+        if output_kind is not None:
+            params.output_kind = output_kind
+        return ProcessedRequest(prompt.text, list(ids), params)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -215,6 +235,13 @@ class Processor:
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """The checked copy this request will run with."""
+        if params.logits_processors:
+            raise ValueError("logits_processors are not supported: per-request Python logits "
+                             "processors cannot run inside the compiled step (vLLM v1 refuses "
+                             "them too)")
+        if params.best_of is not None and params.best_of != params.n:
+            raise ValueError(f"best_of is not supported (got best_of={params.best_of}, "
+                             f"n={params.n}); use n")
         params = params.checked_clone()
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)

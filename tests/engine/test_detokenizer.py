@@ -107,6 +107,19 @@ def test_stop_strings_wait_for_min_tokens():
     assert stops.count("STOP") == 1
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 100])
+def test_min_tokens_text_cannot_stop_even_when_tokens_arrive_together(chunk):
+    """Async scheduling (and speculative decoding) deliver several tokens at once: a stop
+    string in the text of tokens still inside min_tokens must not match, in any chunking."""
+    tok = smollm2()
+    ids = tok.encode("STOP and then STOP")
+    n_first = len(tok.encode("STOP"))
+    det, stops = detokenize(ids, chunks=[chunk] * len(ids), stop=["STOP"],
+                            min_tokens=n_first + 1, max_tokens=50)
+    assert det.output_text == "STOP and then "
+    assert [s for s in stops if s] == ["STOP"]
+
+
 def test_stop_buffer_holds_back_a_possible_stop_prefix():
     tok = smollm2()
     det = IncrementalDetokenizer(tok, SamplingParams(stop=["END!"]), [])

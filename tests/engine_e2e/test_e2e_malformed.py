@@ -67,6 +67,9 @@ def mutated(**fields) -> SamplingParams:
     (dict(stop_token_ids=[VOCAB]), rf"stop_token_ids must be in \[0, {VOCAB}\), got {VOCAB}"),
     (dict(temperature="hot"), "temperature must be a number, got str"),
     (dict(ignore_eos="yes"), "ignore_eos must be a bool, got str"),
+    # Accepted by the constructor, refused at generate (as vLLM v1 does).
+    (dict(logits_processors=[lambda ids, logits: logits]), "logits_processors are not supported"),
+    (dict(best_of=3), "best_of is not supported"),
 ])
 def test_mutated_params_are_rejected_at_admission(llm, baseline, fields, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,117 @@
+"""The `jaxllm` console script: `jaxllm serve [MODEL] [--flags]`, as `vllm serve`.
+
+Owns the command line: the server's flags, one flag per engine argument (generated from
+EngineConfig's fields, so every argument `LLM(...)` takes is a flag), and `--config
+config.yaml` whose keys are flag names (dashes or underscores); flags given on the command
+line win over the file. Never builds responses: it starts uvicorn on api_server's app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+
+from jaxllm.config import EngineConfig
+
+SERVER_DEFAULTS = dict(host="0.0.0.0", port=8000, api_key=None, served_model_name=None,
+                       chat_template=None, uvicorn_log_level="info")
+
+
+def _engine_flag_type(field: dataclasses.Field):
+    hint = typing.get_type_hints(EngineConfig)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    kind = args[0]
+    if kind is bool:
+        return lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False,
+                          "no": False}[s.lower()]
+    return kind if kind in (int, float, str) else str
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxllm", description="jaxllm: vLLM on JAX/XLA")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="Start the OpenAI-compatible server",
+                           argument_default=argparse.SUPPRESS)
+    serve.add_argument("model_tag", nargs="?", help="HF dir, hub id or .gguf (default: the "
+                                                   "embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--config", help="a YAML file of flag: value pairs")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--api-key", help="require this key (or set JAXLLM_API_KEY)")
+    serve.add_argument("--served-model-name", help="the model name clients use")
+    serve.add_argument("--chat-template", help="a Jinja template, or a file holding one")
+    serve.add_argument("--uvicorn-log-level")
+    for field in dataclasses.fields(EngineConfig):
+        serve.add_argument("--" + field.name.replace("_", "-"), type=_engine_flag_type(field),
+                           dest=field.name)
+    return parser
+
+
+def resolve_args(argv: list[str]) -> tuple[dict, EngineConfig]:
+    """`serve` arguments (after the word serve) -> (server settings, engine config):
+    defaults < config file < command line."""
+    parsed = vars(make_parser().parse_args(["serve", *argv]))
+    values: dict = {}
+    if "config" in parsed:
+        values.update(_read_config(parsed.pop("config")))
+    parsed.pop("command")
+    if "model_tag" in parsed:
+        parsed["model"] = parsed.pop("model_tag")
+    values.update(parsed)
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = set(values) - engine_fields - set(SERVER_DEFAULTS)
+    if unknown:
+        raise SystemExit(f"jaxllm serve: unknown settings {sorted(unknown)}")
+    server = {k: values.get(k, v) for k, v in SERVER_DEFAULTS.items()}
+    server["api_key"] = server["api_key"] or os.environ.get("JAXLLM_API_KEY")
+    config = EngineConfig(**{k: v for k, v in values.items() if k in engine_fields})
+    return server, config
+
+
+def _read_config(path: str) -> dict:
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"jaxllm serve: {path} must hold a mapping of flag: value pairs")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _chat_template(value: str | None) -> str | None:
+    if value is not None and os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
+
+
+def serve(argv: list[str]) -> None:
+    import uvicorn
+
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app
+    from jaxllm.models.resolve import DEFAULT_MODEL
+
+    server, config = resolve_args(argv)
+    engine = AsyncLLM(config, use_tqdm=True)
+    name = server["served_model_name"] or config.model or DEFAULT_MODEL
+    app = build_app(engine, served_model_names=[name], api_key=server["api_key"],
+                    chat_template=_chat_template(server["chat_template"]))
+    # uvicorn handles SIGINT / SIGTERM: stop accepting, finish in-flight responses, then the
+    # app's lifespan shuts the engine down.
+    uvicorn.run(app, host=server["host"], port=server["port"],
+                log_level=server["uvicorn_log_level"], timeout_graceful_shutdown=30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        serve(argv[1:])
+    else:
+        make_parser().parse_args(argv)  # prints usage / errors
+
+
+__all__ = ["main", "resolve_args"]

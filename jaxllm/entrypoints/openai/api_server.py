@@ -1,0 +1,186 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM.
+
+Owns the routes (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
+/health, /version, /metrics), API-key checks, the mapping of every failure to OpenAI's error
+body with the right status (400 for bad input of any kind, never 422 or 500; 404 for an
+unknown model; 401 for a missing or wrong key), and aborting a request whose client went away.
+Never builds sampling parameters or responses itself (serving.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import jaxllm
+from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.entrypoints.openai.metrics import render_metrics
+from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                DetokenizeRequest, TokenizeRequest)
+from jaxllm.entrypoints.openai.serving import OpenAIServing
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None):
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": type_, "param": param, "code": status}})
+
+
+def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, served_model_names, chat_template)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.shutdown()  # graceful: uvicorn stops taking requests first
+        logging.getLogger("uvicorn.error").info("jaxllm: engine shut down")
+
+    app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"Invalid JSON body: {first.get('msg')}",
+                                  "BadRequestError")
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error_response(400, f"{first.get('msg', 'invalid request')}"
+                                   + (f" ({param})" if param else ""),
+                              "BadRequestError", param)
+
+    @app.exception_handler(ValueError)
+    async def _bad_value(request, exc: ValueError):
+        return error_response(400, str(exc), "BadRequestError")
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request, exc: EngineDeadError):
+        return error_response(503, str(exc), "ServiceUnavailableError")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "NotFoundError"
+                              if exc.status_code == 404 else "BadRequestError")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "Unauthorized: a valid API key is required",
+                                      "authentication_error")
+        return await call_next(request)
+
+    def model_name(requested: str | None) -> str:
+        if requested is None:
+            return served_model_names[0]
+        if requested not in served_model_names:
+            raise APIError(404, f"The model `{requested}` does not exist.", "NotFoundError",
+                           "model")
+        return requested
+
+    async def respond(result, request: Request):
+        if not isinstance(result, dict):  # a stream of SSE chunks
+            return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        model = model_name(body.model)
+        return await respond(await _until_disconnect(
+            serving.create_completion(body, model), request), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        model = model_name(body.model)
+        return await respond(await _until_disconnect(
+            serving.create_chat_completion(body, model), request), request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "jaxllm",
+             "root": engine.engine.config.model, "max_model_len": serving.max_model_len}
+            for name in served_model_names]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        processor = engine.engine.processor
+        if body.messages is not None:
+            prompt, = processor.render_chat([body.messages], chat_template,
+                                            body.add_generation_prompt)
+            tokens = prompt.token_ids
+        else:
+            tokens = engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens
+                                      )["input_ids"]
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        model_name(body.model)
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"tokens must be in [0, {vocab}), got {bad[0]}")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return error_response(503, "the engine is not running", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": jaxllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render_metrics(engine.get_metrics()),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _until_disconnect(coro, request: Request):
+    """Run a handler, but cancel it (which aborts its engine requests) if the client leaves
+    before it answers. Streams are covered by their own cancellation."""
+    task = asyncio.ensure_future(coro)
+
+    async def client_left():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(client_left())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)
+        return task.result()
+    finally:
+        watcher.cancel()

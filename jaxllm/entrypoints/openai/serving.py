@@ -1,0 +1,249 @@
+"""Completions and chat completions: OpenAI request bodies -> engine streams -> OpenAI bodies.
+
+Owns the response shapes (non-streaming JSON, and SSE chunks ending in `data: [DONE]`), the
+choice indices of `n` and of several prompts, usage counts and both logprobs formats. Never
+validates ranges itself (SamplingParams and the processor do; their ValueError is a 400),
+never touches HTTP (api_server.py does), and never runs the engine loop (AsyncLLM does).
+
+Every request asks the engine for DELTA outputs when streaming and FINAL_ONLY otherwise, so
+the stream's chunks concatenate to exactly the non-streaming result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.engine.processor import PromptInput
+from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxllm.outputs import CompletionOutput, RequestOutput
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _completion_logprobs(c: CompletionOutput, k: int, text_offset: int) -> dict | None:
+    """OpenAI's legacy completions format: tokens, token_logprobs, top_logprobs, offsets."""
+    if c.logprobs is None:
+        return None
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        chosen = entry[token_id]
+        tokens.append(chosen.decoded_token or "")
+        token_logprobs.append(chosen.logprob)
+        tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()
+                     if lp.rank is not None and lp.rank <= k} if k else None)
+        offsets.append(text_offset)
+        text_offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(c: CompletionOutput, k: int) -> dict | None:
+    """Chat's format: one {token, logprob, bytes, top_logprobs} per generated token."""
+    if c.logprobs is None:
+        return None
+
+    def item(lp):
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
+                     key=lambda lp: lp.rank)
+        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for lp in top]})
+    return {"content": content}
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None):
+        self.engine = engine
+        self.model_names = model_names
+        self.chat_template = chat_template
+        self.max_model_len = engine.engine.config.max_model_len
+
+    # ---- /v1/completions -----------------------------------------------------------------
+
+    def completion_prompts(self, req: CompletionRequest) -> list[PromptInput]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [PromptInput(p, None)]
+        if p and all(isinstance(t, int) for t in p):
+            return [PromptInput(None, list(p))]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        return [PromptInput(x, None) if isinstance(x, str) else PromptInput(None, list(x))
+                for x in p]
+
+    def check_completion(self, req: CompletionRequest):
+        """-> (prompts, sampling params); ValueError for anything the engine cannot do."""
+        if req.echo:
+            raise ValueError("echo is not supported")
+        if req.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if req.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ValueError(f"best_of must equal n ({req.n}), got {req.best_of}")
+        params = req.sampling_params(req.max_tokens if req.max_tokens is not None else 16,
+                                     req.logprobs)
+        prompts = self.completion_prompts(req)
+        for prompt in prompts:  # every prompt is checked before any is queued
+            self.engine.engine.processor.process(prompt, params)
+        return prompts, params
+
+    async def create_completion(self, req: CompletionRequest, model: str):
+        prompts, params = self.check_completion(req)
+        rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = [self.engine.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
+        k = req.logprobs or 0
+        if req.stream:
+            return self._stream_completion(streams, rid, created, model, req, k)
+        finals = await asyncio.gather(*[_last(s) for s in streams])
+        choices, completion_tokens = [], 0
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append({"index": i * params.n + c.index, "text": c.text,
+                                "logprobs": _completion_logprobs(c, k, 0),
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+    async def _stream_completion(self, streams, rid, created, model, req, k
+                                 ) -> AsyncIterator[str]:
+        prompt_tokens, completion_tokens = 0, 0
+        offsets: dict[int, int] = {}
+        async for i, out in _merge(streams):
+            for c in out.outputs:
+                index = i * req.n + c.index
+                completion_tokens += len(c.token_ids)
+                if not c.text and c.finish_reason is None and c.logprobs is None:
+                    continue  # nothing visible yet (held back, or a partial character)
+                chunk = {"index": index, "text": c.text,
+                         "logprobs": _completion_logprobs(c, k, offsets.get(index, 0)),
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                offsets[index] = offsets.get(index, 0) + len(c.text)
+                yield _sse({"id": rid, "object": "text_completion", "created": created,
+                            "model": model, "choices": [chunk], "usage": None})
+            if out.finished:
+                prompt_tokens += len(out.prompt_token_ids)
+        if req.stream_options and req.stream_options.include_usage:
+            yield _sse({"id": rid, "object": "text_completion", "created": created,
+                        "model": model, "choices": [],
+                        "usage": _usage(prompt_tokens, completion_tokens)})
+        yield "data: [DONE]\n\n"
+
+    # ---- /v1/chat/completions --------------------------------------------------------------
+
+    def check_chat(self, req: ChatCompletionRequest):
+        if req.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if req.tools:
+            raise ValueError("tools are not supported")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format other than text is not supported")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        processor = self.engine.engine.processor
+        prompt, = processor.render_chat(
+            [req.messages], req.chat_template or self.chat_template, req.add_generation_prompt,
+            req.continue_final_message, req.chat_template_kwargs)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:  # vLLM: the rest of the context
+            max_tokens = max(1, self.max_model_len - len(prompt.token_ids))
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs
+                                     else None)
+        processor.process(prompt, params)
+        return prompt, params
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
+        prompt, params = self.check_chat(req)
+        rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stream = self.engine.generate(prompt, params, rid)
+        k = req.top_logprobs or 0
+        if req.stream:
+            return self._stream_chat(stream, rid, created, model, req, k)
+        out = await _last(stream)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c, k), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices,
+                "usage": _usage(len(out.prompt_token_ids),
+                                sum(len(c.token_ids) for c in out.outputs))}
+
+    async def _stream_chat(self, stream, rid, created, model, req, k) -> AsyncIterator[str]:
+        def chunk(choices, usage=None):
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": model, "choices": choices, "usage": usage})
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None} for i in range(req.n)])
+        completion_tokens, prompt_tokens = 0, 0
+        async with contextlib.aclosing(stream):  # a client that leaves aborts the request
+            async for out in stream:
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None and c.logprobs is None:
+                        continue  # nothing visible yet (held back, or a partial character)
+                    yield chunk([{"index": c.index, "delta": {"content": c.text},
+                                  "logprobs": _chat_logprobs(c, k),
+                                  "finish_reason": c.finish_reason,
+                                  "stop_reason": c.stop_reason}])
+                prompt_tokens = len(out.prompt_token_ids)
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], _usage(prompt_tokens, completion_tokens))
+        yield "data: [DONE]\n\n"
+
+
+async def _last(stream) -> RequestOutput:
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as they produce, tagged with their index."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:  # hand the error to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
