@@ -1,17 +1,27 @@
 """Where a step's time goes, and how far each part is from this machine's roofline.
 
-Splits `LLMEngine.step()` into its phases (schedule, input preparation, the device step,
-sampling, update + output processing) on steady-state workloads, times each (medians), and
-puts the device step beside its roofline:
+Splits one engine step into its phases on steady-state workloads and times each (medians):
 
-  * the machine's read bandwidth and GEMM peak, measured here in the same run
-    (a jitted sum over 1 GiB; jnp.dot at the step's own GEMM shape and at 2048^3);
-  * the step's FLOPs and bytes, counted by hand (weights once, KV read once per sequence
-    up to its length, 2 FLOPs per parameter per token) and from XLA's cost analysis;
-  * attention alone: every layer's attention call on the step's real metadata, against
-    its KV-read roofline (KV bytes in context / bandwidth).
+  schedule   Scheduler.schedule()
+  prepare    the runner's persistent input batch: apply the scheduler's diffs, pack the step
+  device     the jitted step (model, logits, sampling) until its outputs are ready
+  sampling   the sampler alone on the step's logits shape and metadata (part of "device")
+  fetch      tokens (and logprobs) to the host, into the input batch
+  output     Scheduler.update_from_output + OutputProcessor (detokenize, stop strings)
 
-    python benchmarks/profile_step.py                 # default dtype, default scenarios
+Phases are synchronised at their boundaries here, so "host %" is what a synchronous engine
+would pay. "async step" is the median wall time of one `LLMEngine.step()` with async
+scheduling on the same workload: there the host phases overlap the device.
+
+The device step is set beside its roofline, from figures measured in the same run: the
+read bandwidth (a jitted sum over 1 GiB) and the GEMM peak (jnp.dot at the step's own GEMM
+shape and at 2048^3, in the model's dtype). FLOPs and bytes are counted by hand (every
+weight read once, each sequence's KV read once up to its length, 2 FLOPs per parameter per
+token, attention over each row's visible keys); XLA's own cost analysis is printed beside.
+Attention alone (every layer's call on the step's real metadata) is set against its KV-read
+roofline: KV bytes in context / bandwidth.
+
+    python benchmarks/profile_step.py                  # dtype "auto", default scenarios
     python benchmarks/profile_step.py --dtype float32 --scenarios decode64@1024
 """
 
@@ -69,20 +79,24 @@ def parse_scenario(text):
     raise ValueError(f"unknown scenario {text!r}")
 
 
-def fill(engine, batch, context, vocab):
-    """Add `batch` greedy requests with prompts of `context` tokens and prefill them."""
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
+def add_requests(engine, batch, context, vocab, max_tokens, seed=0):
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
     for _ in range(batch):
         engine.add_request(None, rng.integers(100, vocab, context).tolist(), params)
+
+
+def prefill_all(engine):
+    """Step until every request is decoding (its whole prompt is in the KV cache)."""
     sched = engine.scheduler
-    while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                               for r in sched.running):
         engine.step()
-        if not sched.running and not sched.waiting:
-            break
 
 
 def drain(engine):
+    """Abort what is left (decode scenarios stop after their timed steps) and settle."""
+    engine.abort_request(list(engine.output_processor.parents))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -94,105 +108,69 @@ class PhaseTimer:
     def add(self, name, t0):
         self.ms.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
 
-    def medians(self):
-        return {k: statistics.median(v) for k, v in self.ms.items()}
+    def medians(self, skip=0):
+        return {k: statistics.median(v[skip:]) for k, v in self.ms.items()}
 
 
 def profiled_step(engine, timer: PhaseTimer):
-    """One engine step with its phases timed separately (device work is synchronised at
-    each phase boundary so that the time lands in the phase that caused it)."""
+    """One synchronous engine step with each phase synchronised and timed. -> (so, host)."""
     from jaxllm.engine.request import RequestStatus
+    from jaxllm.runner.model_runner import PendingStep
 
+    runner = engine.runner
     t0 = time.perf_counter()
     so = engine.scheduler.schedule()
     timer.add("schedule", t0)
-    parts = runner_phases(engine.runner, so)
-    runner_output = None
-    for name, fn in parts:
-        t0 = time.perf_counter()
-        runner_output = fn()
-        timer.add(name, t0)
+    t0 = time.perf_counter()
+    runner.input_batch.update_states(so)
+    host = runner.input_batch.prepare(so, runner.buckets)
+    timer.add("prepare", t0)
+    t0 = time.perf_counter()
+    out = runner.run(host)
+    jax.block_until_ready(out)
+    timer.add("device", t0)
+    t0 = time.perf_counter()
+    runner_output = runner.fetch(PendingStep(host, out))
+    timer.add("fetch", t0)
     t0 = time.perf_counter()
     engine_outputs = engine.scheduler.update_from_output(so, runner_output)
-    finished, stopped = engine.output_processor.process_outputs(engine_outputs)
+    _, stopped = engine.output_processor.process_outputs(engine_outputs)
     if stopped:
         engine.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-    timer.add("update+output", t0)
-    return so
+    timer.add("output", t0)
+    return so, host
 
 
-def runner_phases(runner, so):
-    """The runner's execute_model split into (prepare, device, sample) callables; the last
-    returns the ModelRunnerOutput."""
-    from jaxllm.messages import ModelRunnerOutput
-    from jaxllm.models.base import AttentionMetadata
-    from jaxllm.runner.input_batch import prepare_inputs, update_states
-    from jaxllm.runner.sampling_metadata import SamplingRow, build_sampling_metadata
+def sampling_ms(engine, host) -> float:
+    """The sampler alone, on random logits of the step's [S, V] shape and its metadata."""
+    from jaxllm.runner.sampler import sample_jit
 
-    box = {}
-
-    def prepare():
-        update_states(runner.requests, so)
-        inp = prepare_inputs(runner.requests, so, runner.buckets, runner.block_size)
-        box["inp"] = inp
-        box["md"] = jax.device_put(AttentionMetadata(
-            inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables, inp.seq_lens,
-            inp.query_start_loc, inp.num_seqs))
-        box["idx"] = jax.device_put(inp.logits_indices)
-        jax.block_until_ready((box["md"], box["idx"]))
-
-    def device():
-        inp = box["inp"]
-        logits, _, runner.kv_caches = runner.step_fns.get(inp.shape)(
-            runner.state, runner.kv_caches, box["md"], box["idx"])
-        box["logits"] = logits.block_until_ready()
-
-    def sample():
-        inp = box["inp"]
-        states = [runner.requests[r] for r in inp.req_ids]
-        rows = [SamplingRow(st.sampling_params, st.sampling_params.seed, st.prompt_token_ids,
-                            st.output_token_ids) for st in states]
-        smd = build_sampling_metadata(rows, num_seqs_padded=inp.shape[1],
-                                      eos_token_ids=runner.eos_token_ids,
-                                      max_model_len=runner.max_model_len)
-        sampled = np.asarray(runner.sample_fns.get((inp.shape[1], smd.variant))(
-            box["logits"], smd).sampled_token_ids)
-        out = []
-        for i, st in enumerate(states):
-            if inp.samples[i]:
-                st.output_token_ids.append(int(sampled[i]))
-                out.append([int(sampled[i])])
-            else:
-                out.append([])
-        return ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=out)
-
-    return [("prepare", prepare), ("device", device), ("sample", sample)]
+    S = host.seq_lens.shape[0]
+    logits = jax.random.normal(jax.random.key(0), (S, engine.model_config.vocab_size))
+    smd = host.sampling.replace(penalties=host.sampling.penalties.replace(
+        token_ids=np.zeros((S, engine.config.max_model_len), np.int32)))
+    return median_ms(lambda: jax.block_until_ready(sample_jit(logits, smd)))
 
 
-def attention_ms(engine, so):
+def attention_ms(engine, host) -> float:
     """Every layer's attention call on this step's metadata (random q), as one jitted call."""
-    from jaxllm.kernels import default_attention_backend, get_attention_fn
-    from jaxllm.models.base import AttentionMetadata
-    from jaxllm.runner.input_batch import prepare_inputs
+    from jaxllm.kernels import get_attention_fn
 
     runner, cfg = engine.runner, engine.model_config
-    backend = engine.config.attention_backend or default_attention_backend()
-    attn = get_attention_fn(backend)
-    # The state of the last profiled step is still in the runner: rebuild its inputs.
-    inp = prepare_inputs(runner.requests, so, runner.buckets, runner.block_size)
-    T = inp.shape[0]
+    attn = get_attention_fn(runner.attention_backend)
+    T = host.shape[0]
     q = jax.random.normal(jax.random.key(0), (T, cfg.num_attention_heads, cfg.head_dim),
-                          runner.kv_caches[0][0].dtype)
-    md = AttentionMetadata(inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables,
-                           inp.seq_lens, inp.query_start_loc, inp.num_seqs)
+                          runner.kv_dtype)
 
     @jax.jit
-    def all_layers(q, caches, md):
-        outs = [attn(q, k, v, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs,
-                     sm_scale=cfg.head_dim ** -0.5) for k, v in caches]
+    def all_layers(q, caches, bt, sl, qsl, ns):
+        outs = [attn(q, k, v, bt, sl, qsl, ns, sm_scale=cfg.head_dim ** -0.5)
+                for k, v in caches]
         return sum(o.astype(jnp.float32).sum() for o in outs)
 
-    return median_ms(lambda: all_layers(q, runner.kv_caches, md).block_until_ready())
+    args = (q, runner.kv_caches, host.block_tables, host.seq_lens, host.query_start_loc,
+            host.num_seqs)
+    return median_ms(lambda: all_layers(*args).block_until_ready())
 
 
 def hand_counts(engine, so):
@@ -222,6 +200,38 @@ def hand_counts(engine, so):
     return flops, weight_bytes, kv_tokens * per_token_kv * kv_item
 
 
+def xla_cost(engine, host) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) of the compiled step, from XLA's cost analysis."""
+    T, _, W = host.shape
+    cost = engine.runner.step_fns.get((T, W)).cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def async_step_ms(engine, kind, batch, ctx, vocab, steps, max_tokens) -> float:
+    """Median wall time of LLMEngine.step() with async scheduling, same workload."""
+    core = engine.engine_core
+    core.async_scheduling = True
+    times = []
+    if kind == "decode":
+        add_requests(engine, batch, ctx, vocab, max_tokens=max_tokens, seed=2)
+        prefill_all(engine)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    else:
+        for i in range(steps):
+            add_requests(engine, 1, ctx, vocab, max_tokens=1, seed=10 + i)
+            t0 = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    drain(engine)
+    core.async_scheduling = False
+    return statistics.median(times[1:])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None)
@@ -229,64 +239,76 @@ def main():
     p.add_argument("--scenarios", nargs="+",
                    default=["decode64@256", "decode64@1024", "decode1@128", "prefill512"])
     p.add_argument("--steps", type=int, default=9)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=float, default=3.0,
+                   help="KV cache budget: 64 sequences of 1k tokens must fit without preemption")
     args = p.parse_args()
 
     bw = measure_bandwidth_gbs()
     print(f"machine: read bandwidth {bw:.1f} GB/s (jitted sum over 1 GiB)")
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=512,
-              max_model_len=2048, seed=0)
+              max_model_len=args.max_model_len, seed=0, async_scheduling=False,
+              kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30))
     engine = llm.llm_engine
-    dtype = engine.runner.kv_caches[0][0].dtype
+    dtype = jnp.dtype(engine.runner.kv_dtype)
     cfg = engine.model_config
     peaks = {shape: measure_gemm_gflops(*shape, dtype)
              for shape in [(64, cfg.hidden_size, cfg.intermediate_size), (2048, 2048, 2048)]}
     for (m, k, n), g in peaks.items():
         print(f"machine: {jnp.dtype(dtype).name} GEMM {m}x{k}x{n}: {g:.0f} GFLOP/s")
     peak = max(peaks.values())
-    print(f"engine: dtype {jnp.dtype(dtype).name}, warm-up {engine.warmup_seconds:.1f} s, "
-          f"{engine.runner.num_compiles} compiles\n")
+    print(f"engine: dtype {jnp.dtype(dtype).name}, attention {engine.runner.attention_backend}, "
+          f"warm-up {engine.warmup_seconds:.1f} s, {engine.runner.num_compiles} compiles\n")
 
-    header = ("scenario", "step ms", "schedule", "prepare", "device", "sample",
-              "update+out", "host %", "device % roofline", "attn ms", "attn % roofline")
-    print(" | ".join(header))
-    print(" | ".join("---" for _ in header))
+    header = ("scenario", "step ms", "schedule", "prepare", "device", "(sampling)", "fetch",
+              "output", "host %", "async step ms", "device % roofline", "attn ms",
+              "attn % roofline")
+    rows, notes = [], []
     vocab = cfg.vocab_size
     for text in args.scenarios:
         kind, batch, ctx = parse_scenario(text)
         timer = PhaseTimer()
         if kind == "decode":
-            fill(engine, batch, ctx, vocab)
-            so = None
+            add_requests(engine, batch, ctx, vocab, max_tokens=args.max_model_len - ctx)
+            prefill_all(engine)
             for _ in range(args.steps + 2):
-                so = profiled_step(engine, timer)
+                so, host = profiled_step(engine, timer)
             counts = hand_counts(engine, so)
-            attn_ms = attention_ms(engine, so)
+            attn = attention_ms(engine, host)
+            samp = sampling_ms(engine, host)
+            cost = xla_cost(engine, host)
             drain(engine)
-            timer.ms = {k: v[2:] for k, v in timer.ms.items()}  # drop the first two
+            med = timer.medians(skip=2)
         else:
-            rng = np.random.default_rng(1)
-            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
-            so = None
-            for _ in range(args.steps):
-                engine.add_request(None, rng.integers(100, vocab, ctx).tolist(), params)
-                so = profiled_step(engine, timer)
+            for i in range(args.steps):
+                add_requests(engine, 1, ctx, vocab, max_tokens=1, seed=10 + i)
+                so, host = profiled_step(engine, timer)
                 counts = hand_counts(engine, so)
                 drain(engine)
-            attn_ms = float("nan")
-        med = timer.medians()
+            attn, samp, cost = float("nan"), sampling_ms(engine, host), xla_cost(engine, host)
+            med = timer.medians(skip=1)
+        asynchronous = async_step_ms(engine, kind, batch, ctx, vocab, args.steps,
+                                     args.max_model_len - ctx)
         total = sum(med.values())
-        host = total - med["device"]
+        host_ms = total - med["device"]
         flops, wbytes, kvbytes = counts
         roof_ms = max((wbytes + kvbytes) / (bw * 1e9), flops / (peak * 1e9)) * 1e3
         attn_roof_ms = kvbytes / (bw * 1e9) * 1e3
-        print(f"  {text}: {flops / 1e9:.1f} GFLOP, weights {wbytes / 2**20:.0f} MiB, KV "
-              f"{kvbytes / 2**20:.0f} MiB -> roofline {roof_ms:.1f} ms")
-        row = [text, f"{total:.1f}", f"{med['schedule']:.1f}", f"{med['prepare']:.1f}",
-               f"{med['device']:.1f}", f"{med['sample']:.1f}", f"{med['update+output']:.1f}",
-               f"{100 * host / total:.0f}%", f"{100 * roof_ms / med['device']:.0f}%",
-               f"{attn_ms:.1f}", f"{100 * attn_roof_ms / attn_ms:.0f}%" if kind == "decode"
-               else "-"]
+        notes.append(f"  {text}: {flops / 1e9:.2f} GFLOP, weights {wbytes / 2**20:.0f} MiB, KV "
+                     f"{kvbytes / 2**20:.0f} MiB -> roofline {roof_ms:.1f} ms "
+                     f"(KV alone {attn_roof_ms:.1f} ms); XLA cost analysis "
+                     f"{cost[0] / 1e9:.2f} GFLOP, {cost[1] / 2**20:.0f} MiB")
+        rows.append([text, f"{total:.1f}", f"{med['schedule']:.2f}", f"{med['prepare']:.2f}",
+                     f"{med['device']:.1f}", f"{samp:.1f}", f"{med['fetch']:.2f}",
+                     f"{med['output']:.2f}", f"{100 * host_ms / total:.1f}%",
+                     f"{asynchronous:.1f}", f"{100 * roof_ms / med['device']:.0f}%",
+                     f"{attn:.1f}", f"{100 * attn_roof_ms / attn:.0f}%" if kind == "decode"
+                     else "-"])
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for row in rows:
         print(" | ".join(row))
+    print("\n".join(notes))
 
 
 if __name__ == "__main__":
