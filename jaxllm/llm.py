@@ -60,12 +60,22 @@ class LLM:
     # ---- generate ------------------------------------------------------------------------
 
     def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True, *,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None
-                 ) -> list[RequestOutput]:
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """prompts: a str, a {"prompt_token_ids": [...]} (or {"prompt": ...}) dict, or a list of
-        those. The older keyword form `prompt_token_ids=[[...], ...]` is accepted too."""
+        those. The older keyword form `prompt_token_ids=[[...], ...]` is accepted too.
+        priority: one int per prompt, lower served first; needs scheduling_policy="priority"
+        unless all are 0."""
         parsed = parse_prompts(prompts, prompt_token_ids)
-        return self._run(parsed, broadcast_params(sampling_params, len(parsed)), use_tqdm)
+        params = broadcast_params(sampling_params, len(parsed))
+        if priority is not None:
+            if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+                raise ValueError("priority must be a list of ints (one per prompt), got "
+                                 f"{type(priority).__name__}")
+            if len(priority) != len(parsed):
+                raise ValueError(f"The lengths of prompts ({len(parsed)}) and priority "
+                                 f"({len(priority)}) must be the same.")
+        return self._run(parsed, params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -78,10 +88,11 @@ class LLM:
         return self._run(prompts, broadcast_params(sampling_params, len(prompts)), use_tqdm)
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         # All or nothing; one output per request, at its end (vLLM's offline behaviour).
-        order = engine.add_requests(prompts, params, output_kind=RequestOutputKind.FINAL_ONLY)
+        order = engine.add_requests(prompts, params, output_kind=RequestOutputKind.FINAL_ONLY,
+                                    priorities=priority)
         try:
             return self._run_engine(order, use_tqdm)
         except BaseException:

@@ -44,6 +44,7 @@ class EngineCoreRequest:
     sampling_params: Any  # jaxllm.sampling_params.SamplingParams, the child's own copy
     eos_token_id: int | None
     arrival_time: float
+    priority: int = 0  # lower is served first (the "priority" scheduling policy)
 
 
 @dataclasses.dataclass(frozen=True)

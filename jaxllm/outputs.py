@@ -12,7 +12,8 @@ import dataclasses
 class Logprob:
     """One token's log-probability.
 
-    logprob: raw log-softmax of the model's logits (before penalties and temperature).
+    logprob: by default the raw log-softmax of the model's logits (before penalties and
+        temperature); the engine's `logprobs_mode` may make it processed, or a logit.
     rank: 1 for the most likely token of the vocabulary, 2 for the next, ...
     decoded_token: the token's text, or None when detokenization is off.
     """

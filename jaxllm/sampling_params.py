@@ -15,9 +15,11 @@ import math
 # raise temperatures in [1e-5, 1e-2) to 1e-2: our sampler works on logits / T with max-shifted
 # softmaxes and comparisons only, which stay finite for any T >= 1e-5.
 SAMPLING_EPS = 1e-5
-# vLLM's default `max_logprobs`: the most logprobs (sample or prompt) one request may ask for. The
-# sampler's static top-k width is built from it, so raising it costs compile variants.
+# vLLM's default `max_logprobs`: the most logprobs (sample or prompt) one request may ask for.
+# The engine's `max_logprobs` sets the sampler's static top-k width (-1: the whole vocabulary).
 MAX_LOGPROBS = 20
+# What returned logprobs hold (vLLM's `logprobs_mode`, an engine setting; see runner/sampler.py).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 class RequestOutputKind(enum.Enum):
@@ -66,22 +68,31 @@ class SamplingParams:
     # the context for chat, as vLLM's does.
     max_tokens: int = 16
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
-    logprobs: int | None = None  # top-k raw logprobs per generated token (+ the sampled one)
+    # top-k logprobs per generated token (+ the sampled one); -1 = the whole vocabulary. What
+    # they are (raw or processed logprobs or logits) is the engine's `logprobs_mode`.
+    logprobs: int | None = None
     prompt_logprobs: int | None = None  # top-k raw logprobs per prompt token (+ the actual one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Words never generated: each is tokenized at admission without and with a leading space,
+    # and a sequence's last token is banned whenever the output ends with the rest of it.
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None  # only these ids may be sampled (non-empty)
     # Accepted for vLLM compatibility and refused at admission, as vLLM v1 refuses them:
     # per-request logits processors (arbitrary Python on the logits) and best_of.
     logits_processors: list | None = None
     best_of: int | None = None
+    # bad_words as token sequences, filled by the processor at admission (it owns the
+    # tokenizer); None until then.
+    _bad_words_token_ids: list[list[int]] | None = dataclasses.field(
+        default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._normalize()
         self._verify_args()
-        self.verify(MAX_LOGPROBS)
         if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation knobs cannot change an argmax, so turn them off to keep the
             # batch on the cheapest sampler path.
@@ -110,6 +121,10 @@ class SamplingParams:
             self.logprobs = 1
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
 
     def _verify_args(self) -> None:
         """Types first (a float where an int is meant, a bool or a string where a number is
@@ -159,8 +174,9 @@ class SamplingParams:
                              f"got {self.min_tokens}.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value}.")
+            if value is not None and value < -1:
+                raise ValueError(f"{name} must be None, -1 (the whole vocabulary) or >= 0, "
+                                 f"got {value}.")
         if not isinstance(self.stop_token_ids, list) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must contain only non-negative ints, "
@@ -170,16 +186,24 @@ class SamplingParams:
             raise ValueError(f"stop must contain only non-empty strings, got {self.stop}.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True.")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise ValueError("bad_words must be a list of non-blank strings, got "
+                             f"{self.bad_words!r:.80}.")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not all(
+                    _is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a list of non-negative ints, got "
+                                 f"{self.allowed_token_ids!r:.80}.")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is not None and empty!")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError("output_kind must be a RequestOutputKind, got "
                              f"{self.output_kind!r}.")
 
-    def verify(self, max_logprobs: int = MAX_LOGPROBS) -> None:
-        """Check the logprob requests against the engine's cap (raises ValueError)."""
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and value > max_logprobs:
-                raise ValueError(f"{name} must be None or in [0, {max_logprobs}], got {value}.")
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return self._bad_words_token_ids
 
     @property
     def uses_penalties(self) -> bool:

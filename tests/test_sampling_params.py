@@ -66,10 +66,18 @@ def test_uses_penalties_and_buffer_length():
      "repetition_penalty must be a finite number greater than zero, got 0.0."),
     (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5."),
     (dict(frequency_penalty=-2.5), "frequency_penalty must be in [-2, 2], got -2.5."),
-    (dict(logprobs=-1), f"logprobs must be None or in [0, {MAX_LOGPROBS}], got -1."),
-    (dict(logprobs=21), f"logprobs must be None or in [0, {MAX_LOGPROBS}], got 21."),
-    (dict(prompt_logprobs=-2), f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got -2."),
-    (dict(prompt_logprobs=99), f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got 99."),
+    (dict(logprobs=-2), "logprobs must be None, -1 (the whole vocabulary) or >= 0, got -2."),
+    (dict(prompt_logprobs=-2),
+     "prompt_logprobs must be None, -1 (the whole vocabulary) or >= 0, got -2."),
+    (dict(bad_words="foo"), "bad_words must be a list of non-blank strings, got 'foo'."),
+    (dict(bad_words=["ok", " "]), "bad_words must be a list of non-blank strings"),
+    (dict(bad_words=[3]), "bad_words must be a list of non-blank strings, got [3]."),
+    (dict(allowed_token_ids=[]), "allowed_token_ids is not None and empty!"),
+    (dict(allowed_token_ids=[1, 2.0]),
+     "allowed_token_ids must be a list of non-negative ints, got [1, 2.0]."),
+    (dict(allowed_token_ids=[True]), "allowed_token_ids must be a list of non-negative ints"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids must be a list of non-negative ints"),
+    (dict(allowed_token_ids=5), "allowed_token_ids must be a list of non-negative ints, got 5."),
     (dict(stop=["ok", ""]), "stop must contain only non-empty strings, got ['ok', '']."),
     (dict(stop_token_ids=[1, -3]),
      "stop_token_ids must contain only non-negative ints, got [1, -3]."),
@@ -102,14 +110,18 @@ def test_validation_names_parameter_and_range(kwargs, message):
         SamplingParams(**kwargs)
 
 
-def test_verify_against_engine_cap():
-    p = SamplingParams(logprobs=5, prompt_logprobs=3)
-    p.verify(5)
-    with pytest.raises(ValueError, match=re.escape("logprobs must be None or in [0, 4], got 5.")):
-        p.verify(4)
-    with pytest.raises(ValueError, match=re.escape(
-            "prompt_logprobs must be None or in [0, 2], got 3.")):
-        SamplingParams(prompt_logprobs=3).verify(2)
+def test_logprobs_cap_is_the_engines():
+    # As in vLLM: any count (or -1, the whole vocabulary) constructs; the engine's
+    # max_logprobs is checked at admission (tests/engine_e2e/test_e2e_validation.py).
+    p = SamplingParams(logprobs=-1, prompt_logprobs=MAX_LOGPROBS + 1)
+    assert (p.logprobs, p.prompt_logprobs) == (-1, MAX_LOGPROBS + 1)
+
+
+def test_bad_words_and_allowed_token_ids_normalised():
+    p = SamplingParams(bad_words=("a", "b c"), allowed_token_ids=(3, 1))
+    assert p.bad_words == ["a", "b c"] and p.allowed_token_ids == [3, 1]
+    assert p.bad_words_token_ids is None  # filled by the processor at admission
+    assert SamplingParams().bad_words is None and SamplingParams().allowed_token_ids is None
 
 
 def test_checked_clone_revalidates_mutated_params():

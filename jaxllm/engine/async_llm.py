@@ -92,15 +92,17 @@ class AsyncLLM:
         return self._thread.is_alive() and not self.errored
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (per its `output_kind`). The prompt is a str, a
         {"prompt"} / {"prompt_token_ids"} dict, or a PromptInput. Bad input raises ValueError
-        here, before anything is queued. Cancelling the consumer aborts the request."""
+        here, before anything is queued. Cancelling the consumer aborts the request.
+        priority: lower is served first (needs scheduling_policy="priority" unless 0)."""
         self._check_alive()
         prompt = prompt if isinstance(prompt, PromptInput) else parse_prompt(prompt)
         params = sampling_params if sampling_params is not None else SamplingParams()
         engine = self.engine
-        processed = engine.processor.process(prompt, params)
+        processed = engine.processor.process(prompt, params, priority=priority)
         if request_id is not None and (request_id in self._streams
                                        or engine.is_live(request_id)):
             raise ValueError(f"request_id {request_id!r} is already in flight: request ids "
@@ -126,14 +128,14 @@ class AsyncLLM:
     async def chat(self, messages, sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, *, chat_template: str | None = None,
                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                   chat_template_kwargs: dict[str, Any] | None = None
+                   chat_template_kwargs: dict[str, Any] | None = None, priority: int = 0
                    ) -> AsyncIterator[RequestOutput]:
         """`generate` on one conversation rendered by the model's chat template."""
         self._check_alive()
         prompt, = self.engine.processor.render_chat(
             [messages], chat_template, add_generation_prompt, continue_final_message,
             chat_template_kwargs)
-        async for out in self.generate(prompt, sampling_params, request_id):
+        async for out in self.generate(prompt, sampling_params, request_id, priority):
             yield out
 
     async def abort(self, request_id) -> None:

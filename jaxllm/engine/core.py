@@ -58,7 +58,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids,
                                            request.sampling_params, request.eos_token_id,
-                                           request.arrival_time))
+                                           request.arrival_time, request.priority))
 
     def abort_requests(self, req_ids) -> None:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)

@@ -184,6 +184,13 @@ class KVCacheManager:
         self.cache_blocks(request, num_tokens)
         return [block.block_id for block in added]
 
+    def uncache_scheduled(self, request: Request) -> None:
+        """The request's tokens scheduled this step will not be computed after all (it was
+        preempted in the same step): blocks past its computed tokens, offered to the prefix
+        cache when scheduled, leave it."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        self.block_pool.uncache(blocks[request.num_computed_tokens // self.block_size:])
+
     def free(self, request: Request, *, uncache: bool = False) -> None:
         """Give back every block of the request, tail first, so that its least shareable
         blocks (the tail) are evicted before its prefix. Blocks others hold stay theirs.

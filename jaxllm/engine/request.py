@@ -83,6 +83,7 @@ class Request:
         sampling_params: SamplingParamsLike,
         eos_token_id: int | None,
         arrival_time: float,
+        priority: int = 0,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -90,6 +91,11 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
+        # Lower is served first, with the "priority" scheduling policy (vLLM's meaning).
+        self.priority = priority
+        # Set by the scheduler on admission: breaks ties between equal arrival times (the
+        # n > 1 children of one prompt) in the order they were added.
+        self.arrival_order = 0
         self.status = RequestStatus.WAITING
         # Token id (stop_token_ids match) or string (stop string, set from outside) that
         # ended the request; None for EOS, length, abort.
@@ -155,6 +161,11 @@ class Request:
         """What besides the tokens a cached block must match: empty today; a LoRA id and
         `cache_salt` will go here."""
         return ()
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Smaller is more important (engine/request_queue.py); unique per scheduler."""
+        return (self.priority, self.arrival_time, self.arrival_order)
 
     @property
     def max_tokens(self) -> int:

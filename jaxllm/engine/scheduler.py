@@ -9,12 +9,16 @@ There are no prefill and decode phases. Every step has one budget of
 
   1. running requests, in order: each asks for `num_tokens - num_computed_tokens` (a whole
      prompt chunk, or the one token sampled last step), capped by what is left of the budget.
-     If its blocks cannot grow, requests are preempted from the *tail* of `running` (by
-     recompute: blocks freed, progress reset, sent to the front of `waiting`) until it fits;
-     if it is itself the tail, it preempts itself.
-  2. waiting requests, first come first served, while fewer than `max_num_seqs` run and no
-     one was preempted this step. Each first takes its longest cached prefix of full blocks
-     (prefix caching; a resumed request too), then asks for the rest. A prompt bigger than
+     If its blocks cannot grow, running requests are preempted (by recompute: blocks freed,
+     progress reset, sent back to `waiting`) until it fits; if it is itself the victim, it
+     preempts itself (and the requests behind it still get their turn). The victim is the
+     policy's (engine/request_queue.py): the *tail* of `running` with "fcfs"; with
+     "priority" the largest (priority, arrival), which may be a request already scheduled
+     this step (its tokens are then given back to the budget).
+  2. waiting requests, in the policy's order (first come first served, or by priority then
+     arrival), while fewer than `max_num_seqs` run and no one was preempted this step. Each
+     first takes its longest cached prefix of full blocks (prefix caching; a resumed request
+     too), then asks for the rest. A prompt bigger than
      the rest of the budget gets a partial chunk (chunked prefill) and finishes it in later
      steps as a running request.
 
@@ -39,12 +43,12 @@ max_tokens or max_model_len is not scheduled again: its last token is in flight.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.metrics import SchedulerStats
 from jaxllm.engine.request import Request, RequestStatus, check_stop
+from jaxllm.engine.request_queue import create_request_queue
 from jaxllm.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -61,6 +65,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        policy: str = "fcfs",
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -76,8 +81,10 @@ class Scheduler:
         self.max_model_len = max_model_len
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, front goes first
-        self.running: list[Request] = []  # RUNNING, oldest first; preemption pops the tail
+        # WAITING or PREEMPTED, in the order they will be scheduled (the policy's).
+        self.waiting = create_request_queue(policy)
+        self.running: list[Request] = []  # RUNNING, in order of admission
+        self._num_added = 0  # requests ever added: each one's arrival_order
         # Finished since the last schedule(): the next SchedulerOutput tells the runner.
         self.finished_req_ids: set[str] = set()
         # Preempted outside schedule() (preempt_all): the next SchedulerOutput tells the runner.
@@ -101,8 +108,10 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} prompt "
                              f"tokens, more than max_model_len={self.max_model_len}")
         self.requests[request.request_id] = request
+        request.arrival_order = self._num_added
+        self._num_added += 1
         self.kv_cache_manager.update_block_hashes(request)  # the prompt's full blocks
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus
                         ) -> None:
@@ -119,7 +128,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
-                self.waiting.remove(request)
+                self.waiting.remove_request(request)
             request.status = finished_status
             self._free_request(request)
 
@@ -137,8 +146,8 @@ class Scheduler:
 
     def preempt_all(self) -> None:
         """Send every running request back to waiting to recompute (after the device lost its
-        KV cache), tail first so the oldest resumes first. The cached prefixes were in that
-        KV cache too: they are forgotten."""
+        KV cache), tail first so that with "fcfs" the oldest resumes first. The cached
+        prefixes were in that KV cache too: they are forgotten."""
         while self.running:
             request = self.running.pop()
             self._preempt(request)
@@ -166,8 +175,9 @@ class Scheduler:
         scheduled_new: list[Request] = []  # first time, or resumed after preemption
         preempted: list[Request] = []
 
-        # 1. Running requests, in order. Preemption only ever pops entries after req_index,
-        #    i.e. requests not yet scheduled this step.
+        # 1. Running requests, in order. A victim of preemption before req_index was
+        #    scheduled earlier in this step (only the "priority" policy picks those): its
+        #    tokens go back to the budget.
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
@@ -175,26 +185,43 @@ class Scheduler:
             if num_new_tokens == 0:
                 req_index += 1
                 continue
-            block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
-            if block_ids is None:  # it was the tail and preempted itself
-                break
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            while block_ids is None:  # preempt until its blocks fit
+                victim = self.waiting.preemption_victim(self.running)
+                if self.running.index(victim) < req_index:
+                    req_index -= 1
+                    if victim.request_id in num_scheduled_tokens:
+                        self.kv_cache_manager.uncache_scheduled(victim)
+                        scheduled_running.remove(victim)
+                        token_budget += num_scheduled_tokens.pop(victim.request_id)
+                        del new_block_ids[victim.request_id]
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if block_ids is None:
+                # It was the victim: it preempted itself. vLLM stops here; the requests
+                # behind it are more important (with "fcfs" there are none), so go on.
+                continue
             scheduled_running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_block_ids[request.request_id] = block_ids
             token_budget -= num_new_tokens
             req_index += 1
 
-        # 2. Waiting requests, FCFS. Skipped after a preemption: blocks are short, and the
-        #    preempted requests now at the front would only be preempted again.
+        # 2. Waiting requests, in the policy's order. Skipped after a preemption: blocks are
+        #    short, and the preempted requests would only be preempted again.
         while (not preempted and self.waiting and token_budget > 0
                and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting.peek_request()
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, token_budget, num_hit)
             if self.kv_cache_manager.allocate_slots(request, num_new_tokens,
                                                     computed_blocks) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop_request()
             self._record_cache_hit(request, num_hit)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
@@ -300,20 +327,6 @@ class Scheduler:
         return min(num_tokens - num_computed_tokens, token_budget,
                    self.max_model_len - num_computed_tokens)
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
-                             preempted: list[Request]) -> list[int] | None:
-        """New block ids for `request`, preempting from the tail of `running` until they fit;
-        None if `request` itself had to be preempted."""
-        while True:
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-            if block_ids is not None:
-                return block_ids
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim is request:
-                return None
-
     def _preempt(self, request: Request) -> None:
         # Recompute, not swap: drop the K/V, keep the tokens (prompt and generated), and
         # prefill them all again when resumed.
@@ -326,7 +339,7 @@ class Scheduler:
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
 
     def _record_cache_hit(self, request: Request, num_hit: int) -> None:
         if request.status == RequestStatus.WAITING:  # first schedule, not a resume

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxllm.messages import NewRequestData, SchedulerOutput
 from jaxllm.runner.buckets import BucketConfig
-from jaxllm.runner.sampling_metadata import SamplingMetadata, SamplingSlots
+from jaxllm.runner.sampling_metadata import ALL_LOGPROBS, SamplingMetadata, SamplingSlots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class HostStep:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 block_size: int, eos_token_ids: Sequence[int]):
+                 block_size: int, eos_token_ids: Sequence[int], vocab_size: int = 0):
         R = max_num_reqs
         self.max_num_reqs = R
         self.max_model_len = max_model_len
@@ -87,7 +87,7 @@ class InputBatch:
         self.block_table = np.zeros((R, max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(R, np.int32)
         self.num_prompt_logprobs = np.full(R, -1, np.int32)
-        self.sampling = SamplingSlots(R)
+        self.sampling = SamplingSlots(R, vocab_size)
 
     @property
     def num_reqs(self) -> int:
@@ -111,7 +111,8 @@ class InputBatch:
         self.num_blocks[slot] = 0
         self._append_blocks(slot, new.block_ids)
         p = new.sampling_params
-        self.num_prompt_logprobs[slot] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.num_prompt_logprobs[slot] = (-1 if p.prompt_logprobs is None else ALL_LOGPROBS
+                                          if p.prompt_logprobs == -1 else p.prompt_logprobs)
         self.sampling.add(slot, p, p.seed, self.eos_token_ids)
         return slot
 

@@ -43,6 +43,7 @@ from jaxllm.runner.input_batch import HostStep, InputBatch
 from jaxllm.runner.sampler import logprobs_lists
 from jaxllm.runner.step import (BatchMetadata, CompiledFunctions, StepOutput, abstract_inputs,
                                 make_step_fn)
+from jaxllm.sampling_params import MAX_LOGPROBS
 
 
 @dataclasses.dataclass
@@ -56,7 +57,8 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, model, *, num_blocks: int, block_size: int, kv_dtype, buckets: BucketConfig,
                  attention_backend: str, max_model_len: int, max_num_seqs: int,
-                 eos_token_ids: tuple[int, ...], mesh=None):
+                 eos_token_ids: tuple[int, ...], mesh=None,
+                 logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS):
         cfg = model.config
         self.model_config = cfg
         self.num_blocks = num_blocks
@@ -76,11 +78,12 @@ class ModelRunner:
                             and cfg.num_key_value_heads % mesh.size == 0 else rep)
         self.reset_device_state()
         self.input_batch = InputBatch(max_num_seqs, max_model_len, buckets.width_buckets[-1],
-                                      block_size, eos_token_ids)
+                                      block_size, eos_token_ids, cfg.vocab_size)
         self.step_fns = CompiledFunctions(
-            make_step_fn(self.graphdef, attention_backend, rep),
+            make_step_fn(self.graphdef, attention_backend, rep, logprobs_mode=logprobs_mode,
+                         max_logprobs=max_logprobs),
             lambda T, W: (self.state, self.kv_caches, self.token_ids,
-                          *abstract_inputs(T, buckets.seqs_for(T), W, rep)))
+                          *abstract_inputs(T, buckets.seqs_for(T), W, rep, cfg.vocab_size)))
         # One key, (): the whole-row upload of a slot's token history (see the docstring).
         self.history_fns = CompiledFunctions(
             jax.jit(_set_history_row, donate_argnums=0),

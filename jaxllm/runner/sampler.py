@@ -4,20 +4,27 @@ Owns the sampling math (vLLM v1 order, below) and the shape of its results. The 
 bookkeeping that feeds it lives in `sampling_metadata.py`; this file never looks at a request.
 
 Per step, on logits [S, V] (float32 from here on):
-  1. raw logprobs = log_softmax(logits)          (only if some row wants logprobs)
-  2. min_tokens: EOS / stop ids -> -inf           (rows below their min_tokens)
-  3. penalties: repetition, frequency, presence   (only if some row has one)
-  4. greedy = argmax                              (penalised, temperature-free)
-  5. / temperature, min_p, top_k + top_p          (only if some row is random)
-  6. inverse-CDF draw, one uniform per row from key fold_in(key(seed), step)
-  7. sampled = greedy where temperature < eps, else the draw
-Returned logprobs are the RAW ones of step 1 (vLLM's default "raw_logprobs"); rows that did
-not ask, and whole batches where none did, get zeros.
+  1. raw = the logits as they came                (the "raw_*" logprobs modes read these)
+  2. allowed_token_ids: other ids -> -inf          (only if some row restricts)
+  3. bad_words: a word's last token -> -inf when the output ends with the rest of it,
+     matched on the device token history           (only if some row has bad words)
+  4. min_tokens: EOS / stop ids -> -inf           (rows below their min_tokens)
+  5. penalties: repetition, frequency, presence   (only if some row has one)
+  6. greedy = argmax                              (penalised, temperature-free)
+  7. / temperature, min_p, top_k + top_p          (only if some row is random; greedy
+     rows pass through unchanged)
+  8. inverse-CDF draw, one uniform per row from key fold_in(key(seed), step)
+  9. sampled = greedy where temperature < eps, else the draw
+ 10. logprobs of the sampled token and the top K (only if some row wants logprobs), per the
+     engine's static logprobs_mode (vLLM's four): raw_logprobs (default, log_softmax of 1),
+     raw_logits (1), processed_logprobs (log_softmax of 7's output), processed_logits (7's
+     output). Rows that did not ask, and whole batches where none did, get zeros.
 
 The "only if" steps are `lax.cond`s on the batch, so one compiled program per S bucket serves
 every mix of parameters at the cost of the work some row actually needs.
 
-Shapes: S sequences (bucket), V vocab, K = min(MAX_LOGPROBS, V), L penalty window, W stop ids.
+Shapes: S sequences (bucket), V vocab, K = min(max_logprobs, V) (V when -1; static), L token
+history window, W stop ids, B x G bad-word sequences x tokens, N = ceil(V / 32) bit words.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.messages import LogprobsLists
-from jaxllm.runner.sampling_metadata import PenaltyMetadata, SamplingMetadata
+from jaxllm.runner.sampling_metadata import NO_TOKEN, PenaltyMetadata, SamplingMetadata
 from jaxllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
 
 
@@ -52,38 +59,67 @@ class SamplerOutput:
 
 
 def sample(logits_SV: jax.Array, md: SamplingMetadata,
-           token_history_fn: Callable[[], jax.Array] | None = None) -> SamplerOutput:
-    """Pure, traceable: call it inside a larger jit, or use `sample_jit`. The penalty history
-    is `md.penalties.token_ids`, or, when that is None, `token_history_fn()` [S, L], called
-    only in the branch that applies penalties (so other batches never read it)."""
+           token_history_fn: Callable[[], jax.Array] | None = None, *,
+           logprobs_mode: str = "raw_logprobs", max_num_logprobs: int = MAX_LOGPROBS
+           ) -> SamplerOutput:
+    """Pure, traceable: call it inside a larger jit, or use `sample_jit`. The token history
+    (penalties, bad words) is `md.penalties.token_ids`, or, when that is None,
+    `token_history_fn()` [S, L], called only in the branches that read it (so other batches
+    never do). logprobs_mode and max_num_logprobs (K = min of it and V; -1 = V) are static."""
     logits_SV = logits_SV.astype(jnp.float32)
-    x_SV = _apply_min_tokens(logits_SV, md.min_tokens_stop_ids)
+    raw_SV = logits_SV
 
-    def penalize(x_SV):
+    def history() -> jax.Array:
         pen = md.penalties
-        if pen.token_ids is None:
-            pen = pen.replace(token_ids=token_history_fn())
-        return apply_penalties(x_SV, pen)
+        return pen.token_ids if pen.token_ids is not None else token_history_fn()
 
-    x_SV = jax.lax.cond(_any_penalties(md.penalties), penalize, lambda x: x, x_SV)
+    x_SV = logits_SV
+    if md.allowed_token_bits.shape[-1]:  # 0 words: built without a vocabulary, none restrict
+        x_SV = jax.lax.cond(jnp.any(md.allowed_token_bits != jnp.uint32(0xFFFFFFFF)),
+                            lambda x: _apply_allowed_token_ids(x, md.allowed_token_bits),
+                            lambda x: x, x_SV)
+    x_SV = jax.lax.cond(jnp.any(md.bad_words[:, :, -1] != NO_TOKEN),
+                        lambda x: apply_bad_words(x, md.bad_words, history(),
+                                                  md.penalties.prompt_lens,
+                                                  md.penalties.seq_lens),
+                        lambda x: x, x_SV)
+    x_SV = _apply_min_tokens(x_SV, md.min_tokens_stop_ids)
+    x_SV = jax.lax.cond(_any_penalties(md.penalties),
+                        lambda x: apply_penalties(x, md.penalties.replace(token_ids=history())),
+                        lambda x: x, x_SV)
     greedy_S = jnp.argmax(x_SV, axis=-1).astype(jnp.int32)
     is_greedy_S = md.temperature < SAMPLING_EPS
 
     def draw(x_SV):
+        # Greedy rows pass through unchanged (temperature 1, every knob off), as in vLLM.
         x_SV = x_SV / jnp.where(is_greedy_S, 1.0, md.temperature)[:, None]
         x_SV = _apply_min_p(x_SV, md.min_p)
         x_SV = apply_top_k_top_p(x_SV, md.top_k, md.top_p)
-        return jnp.where(is_greedy_S, greedy_S, _sample_from(x_SV, md.seeds, md.steps))
+        sampled_S = jnp.where(is_greedy_S, greedy_S, _sample_from(x_SV, md.seeds, md.steps))
+        return sampled_S, x_SV if processed else None
 
-    sampled_S = jax.lax.cond(jnp.all(is_greedy_S), lambda _: greedy_S, draw, x_SV)
+    # The processed logits leave the cond only in the modes that read them.
+    processed = logprobs_mode.startswith("processed")
+    sampled_S, processed_SV = jax.lax.cond(
+        jnp.all(is_greedy_S), lambda x: (greedy_S, x if processed else None), draw, x_SV)
+    scores_SV = {"raw_logprobs": lambda: jax.nn.log_softmax(raw_SV, axis=-1),
+                 "raw_logits": lambda: raw_SV,
+                 "processed_logprobs": lambda: jax.nn.log_softmax(processed_SV, axis=-1),
+                 "processed_logits": lambda: processed_SV}[logprobs_mode]
+    k = num_topk(max_num_logprobs, logits_SV.shape[-1])
     logprobs = jax.lax.cond(
         jnp.any(md.num_logprobs >= 0),
-        lambda: gather_logprobs(jax.nn.log_softmax(logits_SV, axis=-1), sampled_S),
-        lambda: zero_logprobs(sampled_S, logits_SV.shape[-1]))
+        lambda: gather_logprobs(scores_SV(), sampled_S, k),
+        lambda: zero_logprobs(sampled_S, k))
     return SamplerOutput(sampled_token_ids=sampled_S, logprobs=logprobs)
 
 
-sample_jit = jax.jit(sample)
+sample_jit = jax.jit(sample, static_argnames=("logprobs_mode", "max_num_logprobs"))
+
+
+def num_topk(max_num_logprobs: int, vocab: int) -> int:
+    """K, the static top-k width of logprobs: the engine's max_logprobs (-1: all) within V."""
+    return vocab if max_num_logprobs == -1 else min(max_num_logprobs, vocab)
 
 
 def _any_penalties(pen: PenaltyMetadata) -> jax.Array:
@@ -91,8 +127,7 @@ def _any_penalties(pen: PenaltyMetadata) -> jax.Array:
                    | (pen.repetition_penalty != 1))
 
 
-def zero_logprobs(token_ids_R: jax.Array, vocab: int) -> LogprobsTensors:
-    k = min(MAX_LOGPROBS, vocab)
+def zero_logprobs(token_ids_R: jax.Array, k: int) -> LogprobsTensors:
     rows = token_ids_R.shape[0]
     return LogprobsTensors(selected_token_ids=token_ids_R,
                            selected_logprobs=jnp.zeros(rows, jnp.float32),
@@ -101,24 +136,59 @@ def zero_logprobs(token_ids_R: jax.Array, vocab: int) -> LogprobsTensors:
                            topk_logprobs=jnp.zeros((rows, k), jnp.float32))
 
 
-def compute_prompt_logprobs(logits_TV: jax.Array, target_ids_T: jax.Array) -> LogprobsTensors:
-    """Raw logprobs at prompt positions: row t scores target_ids_T[t] (the prompt's next token)
-    and lists the top-K. Pure; `prompt_logprobs_jit` is the jitted form."""
+def compute_prompt_logprobs(logits_TV: jax.Array, target_ids_T: jax.Array,
+                            k: int = MAX_LOGPROBS) -> LogprobsTensors:
+    """Raw logprobs at prompt positions (whatever the logprobs_mode, as in vLLM): row t
+    scores target_ids_T[t] (the prompt's next token) and lists the top-k. Pure;
+    `prompt_logprobs_jit` is the jitted form."""
     return gather_logprobs(jax.nn.log_softmax(logits_TV.astype(jnp.float32), axis=-1),
-                           target_ids_T.astype(jnp.int32))
+                           target_ids_T.astype(jnp.int32), min(k, logits_TV.shape[-1]))
 
 
-prompt_logprobs_jit = jax.jit(compute_prompt_logprobs)
+prompt_logprobs_jit = jax.jit(compute_prompt_logprobs, static_argnames="k")
 
 
-def gather_logprobs(logprobs_RV: jax.Array, token_ids_R: jax.Array) -> LogprobsTensors:
-    k = min(MAX_LOGPROBS, logprobs_RV.shape[-1])
-    topk_logprobs_RK, topk_ids_RK = jax.lax.top_k(logprobs_RV, k)
+def gather_logprobs(logprobs_RV: jax.Array, token_ids_R: jax.Array,
+                    k: int = MAX_LOGPROBS) -> LogprobsTensors:
+    """The selected token's score and rank, and the top-k scores (k <= V)."""
+    topk_logprobs_RK, topk_ids_RK = jax.lax.top_k(logprobs_RV, min(k, logprobs_RV.shape[-1]))
     selected_R = jnp.take_along_axis(logprobs_RV, token_ids_R[:, None], axis=-1)[:, 0]
     ranks_R = 1 + jnp.sum(logprobs_RV > selected_R[:, None], axis=-1, dtype=jnp.int32)
     return LogprobsTensors(selected_token_ids=token_ids_R, selected_logprobs=selected_R,
                            selected_ranks=ranks_R, topk_token_ids=topk_ids_RK.astype(jnp.int32),
                            topk_logprobs=topk_logprobs_RK)
+
+
+def _apply_allowed_token_ids(x_SV: jax.Array, bits_SN: jax.Array) -> jax.Array:
+    """Tokens whose bit is clear -> -inf (rows with all bits set are unchanged)."""
+    S, V = x_SV.shape
+    shifts_32 = jnp.arange(32, dtype=jnp.uint32)
+    allowed_SV = ((bits_SN[:, :, None] >> shifts_32) & 1).reshape(S, -1)[:, :V] == 1
+    return jnp.where(allowed_SV, x_SV, -jnp.inf)
+
+
+def apply_bad_words(x_SV: jax.Array, words_SBG: jax.Array, token_ids_SL: jax.Array,
+                    prompt_lens_S: jax.Array, seq_lens_S: jax.Array) -> jax.Array:
+    """vLLM v1's bad words: a sequence's last token -> -inf when the row's last G-1 OUTPUT
+    tokens end with the rest of it. Sequences are right-aligned, so column j of the prefix
+    lines up with history position seq_len - (G-1) + j; NO_TOKEN columns match anything,
+    prompt positions nothing.
+
+        history  ... p p | o o o o         (seq_len = 7, G = 4)
+        window           |   o o o          positions 4..6
+        word      N  N  12 | 34             -> ban 34 when o6 == 12
+    """
+    G = words_SBG.shape[-1]
+    pos_SJ = seq_lens_S[:, None] - (G - 1) + jnp.arange(G - 1)[None, :]
+    past_SJ = jnp.take_along_axis(token_ids_SL, jnp.clip(pos_SJ, 0, token_ids_SL.shape[1] - 1),
+                                  axis=-1)
+    is_output_SJ = pos_SJ >= prompt_lens_S[:, None]
+    prefix_SBJ = words_SBG[:, :, :-1]
+    match_SBJ = (prefix_SBJ == NO_TOKEN) | ((past_SJ[:, None, :] == prefix_SBJ)
+                                           & is_output_SJ[:, None, :])
+    last_SB = jnp.where(jnp.all(match_SBJ, axis=-1), words_SBG[:, :, -1], NO_TOKEN)
+    rows_S1 = jnp.arange(x_SV.shape[0])[:, None]
+    return x_SV.at[rows_S1, last_SB].set(-jnp.inf, mode="drop")
 
 
 def _apply_min_tokens(x_SV: jax.Array, stop_ids_SW: jax.Array) -> jax.Array:

@@ -4,9 +4,11 @@ Owns the slot-indexed arrays of sampling parameters (`SamplingSlots`: written on
 request joins the batch, gathered per step) and the metadata pytree the sampler reads. Never
 touches a device and never does sampling math: that is `sampler.py`.
 
-Every shape is a bucket constant: S (sequence bucket), W = MAX_MIN_TOKENS_STOP_IDS, and in
-tests L (penalty window). There is no static "variant": the sampler skips the work no row
-needs at run time, so one program per S bucket serves every mix of parameters.
+Every shape is a bucket constant: S (sequence bucket), W = MAX_MIN_TOKENS_STOP_IDS,
+B x G = MAX_BAD_WORDS x MAX_BAD_WORD_TOKENS, N = ceil(V / 32) words of allowed-token bits (0
+when built without a vocabulary: then no row can restrict), and in tests L (token history).
+There is no static "variant": the sampler skips the work no row needs at run time, so one
+program per S bucket serves every mix of parameters.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from jaxllm.sampling_params import SamplingParams
 MAX_MIN_TOKENS_STOP_IDS = 32
 # Out of range for any vocabulary: scatters drop it. (-1 would wrap to the last token.)
 NO_TOKEN = np.iinfo(np.int32).max
+# bad_words: at most B token sequences (a word counts once or twice: with and without a
+# leading space) of at most G tokens per request, rejected beyond at admission.
+MAX_BAD_WORDS = 32
+MAX_BAD_WORD_TOKENS = 16
+# num_logprobs of a request asking for -1 (the whole vocabulary): every one the sampler lists.
+ALL_LOGPROBS = np.iinfo(np.int32).max
 
 
 @flax.struct.dataclass
@@ -49,6 +57,10 @@ class SamplingMetadata:
     steps: np.ndarray  # [S] int32, output tokens the row already has (folded into its key)
     min_tokens_stop_ids: np.ndarray  # [S, W] int32, ids masked to -inf this step; NO_TOKEN pads
     num_logprobs: np.ndarray  # [S] int32, -1 = the row wants no logprobs
+    # [S, B, G] int32, each bad-word sequence right-aligned (its last token at column G-1),
+    # NO_TOKEN to its left and in unused sequences
+    bad_words: np.ndarray
+    allowed_token_bits: np.ndarray  # [S, N] uint32, bit v % 32 of word v // 32; all ones = off
     penalties: PenaltyMetadata
 
 
@@ -81,11 +93,42 @@ def banned_until_min_tokens(params: SamplingParams, eos_token_ids: Sequence[int]
     return banned
 
 
-class SamplingSlots:
-    """Sampling parameters of up to `num_slots` requests, one row per slot."""
+def bad_words_rows(sequences: Sequence[Sequence[int]] | None) -> np.ndarray:
+    """[B, G] int32: each sequence right-aligned, NO_TOKEN elsewhere.
 
-    def __init__(self, num_slots: int):
+        "hello world" -> [12, 34]:   NO_TOKEN ... NO_TOKEN 12 34
+    """
+    rows = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, np.int32)
+    sequences = sequences or []
+    if len(sequences) > MAX_BAD_WORDS or any(len(s) > MAX_BAD_WORD_TOKENS for s in sequences):
+        raise ValueError(f"bad_words supports at most {MAX_BAD_WORDS} token sequences of at "
+                         f"most {MAX_BAD_WORD_TOKENS} tokens.")
+    for b, seq in enumerate(sequences):
+        if seq:
+            rows[b, MAX_BAD_WORD_TOKENS - len(seq):] = seq
+    return rows
+
+
+def allowed_token_bits(allowed_token_ids: Sequence[int] | None, vocab_size: int) -> np.ndarray:
+    """[ceil(V / 32)] uint32 bit set of the allowed ids; all ones when there is no list."""
+    words = -(-vocab_size // 32)
+    if allowed_token_ids is None:
+        return np.full(words, 0xFFFFFFFF, np.uint32)
+    ids = np.asarray(allowed_token_ids, np.int64)
+    if words == 0 or ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"allowed_token_ids must be in [0, {vocab_size}).")
+    bits = np.zeros(words, np.uint32)
+    np.bitwise_or.at(bits, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
+    return bits
+
+
+class SamplingSlots:
+    """Sampling parameters of up to `num_slots` requests, one row per slot. vocab_size: the
+    width of the allowed_token_ids bit sets (0: requests may not use them)."""
+
+    def __init__(self, num_slots: int, vocab_size: int = 0):
         n = num_slots
+        self.vocab_size = vocab_size
         self.temperature = np.zeros(n, np.float32)
         self.top_k = np.zeros(n, np.int32)
         self.top_p = np.ones(n, np.float32)
@@ -97,6 +140,8 @@ class SamplingSlots:
         self.frequency_penalty = np.zeros(n, np.float32)
         self.repetition_penalty = np.ones(n, np.float32)
         self.num_logprobs = np.full(n, -1, np.int32)
+        self.bad_words = np.full((n, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, np.int32)
+        self.allowed_token_bits = np.full((n, -(-vocab_size // 32)), 0xFFFFFFFF, np.uint32)
 
     def add(self, slot: int, params: SamplingParams, seed: int,
             eos_token_ids: Sequence[int]) -> None:
@@ -113,7 +158,11 @@ class SamplingSlots:
         self.presence_penalty[slot] = params.presence_penalty
         self.frequency_penalty[slot] = params.frequency_penalty
         self.repetition_penalty[slot] = params.repetition_penalty
-        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self.num_logprobs[slot] = (-1 if params.logprobs is None else ALL_LOGPROBS
+                                   if params.logprobs == -1 else params.logprobs)
+        self.bad_words[slot] = bad_words_rows(params.bad_words_token_ids)
+        self.allowed_token_bits[slot] = allowed_token_bits(params.allowed_token_ids,
+                                                           self.vocab_size)
 
     def gather(self, slots: np.ndarray, num_output_tokens: np.ndarray, prompt_lens: np.ndarray,
                num_seqs_padded: int) -> SamplingMetadata:
@@ -124,8 +173,9 @@ class SamplingSlots:
         if n > num_seqs_padded:
             raise ValueError(f"{n} rows do not fit the bucket num_seqs_padded="
                              f"{num_seqs_padded}.")
-        md = dummy_sampling_metadata(num_seqs_padded)
-        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "num_logprobs"):
+        md = dummy_sampling_metadata(num_seqs_padded, vocab_size=self.vocab_size)
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "num_logprobs",
+                     "bad_words", "allowed_token_bits"):
             getattr(md, name)[:n] = getattr(self, name)[slots]
         md.steps[:n] = num_output_tokens
         below = num_output_tokens < self.min_tokens[slots]
@@ -139,16 +189,18 @@ class SamplingSlots:
 
 
 def build_sampling_metadata(rows: Sequence[SamplingRow], *, num_seqs_padded: int,
-                            eos_token_ids: Sequence[int], max_model_len: int
-                            ) -> SamplingMetadata:
-    """Metadata for `rows` with the penalty history filled from the rows themselves (the
-    runner fills it on the device instead). max_model_len: the penalty window L."""
-    slots = SamplingSlots(max(len(rows), 1))
+                            eos_token_ids: Sequence[int], max_model_len: int,
+                            vocab_size: int = 0) -> SamplingMetadata:
+    """Metadata for `rows` with the token history filled from the rows themselves (the
+    runner fills it on the device instead). max_model_len: the history window L. Rows with
+    bad_words need params._bad_words_token_ids set (the processor does it at admission);
+    rows with allowed_token_ids need vocab_size."""
+    slots = SamplingSlots(max(len(rows), 1), vocab_size)
     token_ids = np.zeros((num_seqs_padded, max_model_len), np.int32)
     for i, row in enumerate(rows):
         slots.add(i, row.params, row.seed, eos_token_ids)
         tokens = [*row.prompt_token_ids, *row.output_token_ids]
-        if row.params.uses_penalties:
+        if row.params.uses_penalties or row.params.bad_words_token_ids:
             if len(tokens) > max_model_len:
                 raise ValueError(f"prompt + output ({len(tokens)} tokens) exceeds "
                                  f"max_model_len={max_model_len}.")
@@ -160,10 +212,11 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], *, num_seqs_padded: int
     return md.replace(penalties=md.penalties.replace(token_ids=token_ids))
 
 
-def dummy_sampling_metadata(num_seqs_padded: int, max_model_len: int | None = None
-                            ) -> SamplingMetadata:
+def dummy_sampling_metadata(num_seqs_padded: int, max_model_len: int | None = None, *,
+                            vocab_size: int = 0) -> SamplingMetadata:
     """All-padding metadata of bucket S: greedy rows with every knob off, so they never
-    produce NaN or errors. With max_model_len, the penalty history is a zero [S, L] array."""
+    produce NaN or errors. With max_model_len, the penalty history is a zero [S, L] array.
+    vocab_size: the width of the allowed-token bit sets (0: none)."""
     s = num_seqs_padded
     penalties = PenaltyMetadata(
         presence_penalty=np.zeros(s, np.float32),
@@ -182,5 +235,7 @@ def dummy_sampling_metadata(num_seqs_padded: int, max_model_len: int | None = No
         steps=np.zeros(s, np.int32),
         min_tokens_stop_ids=np.full((s, MAX_MIN_TOKENS_STOP_IDS), NO_TOKEN, np.int32),
         num_logprobs=np.full(s, -1, np.int32),
+        bad_words=np.full((s, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, np.int32),
+        allowed_token_bits=np.full((s, -(-vocab_size // 32)), 0xFFFFFFFF, np.uint32),
         penalties=penalties,
     )

@@ -28,9 +28,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.models.base import AttentionMetadata
-from jaxllm.runner.sampler import (LogprobsTensors, zero_logprobs, compute_prompt_logprobs,
-                                   sample)
+from jaxllm.runner.sampler import (LogprobsTensors, compute_prompt_logprobs, num_topk, sample,
+                                   zero_logprobs)
 from jaxllm.runner.sampling_metadata import SamplingMetadata, dummy_sampling_metadata
+from jaxllm.sampling_params import MAX_LOGPROBS
 
 
 @flax.struct.dataclass
@@ -53,9 +54,11 @@ class StepOutput:
     prompt_logprobs: LogprobsTensors  # [T] rows; zeros unless some row asked
 
 
-def make_step_fn(graphdef, attention_backend: str, replicated=None):
+def make_step_fn(graphdef, attention_backend: str, replicated=None, *,
+                 logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS):
     """`replicated`: with tensor parallelism, a replicated NamedSharding on the mesh; logits
-    and hidden states are gathered to it so sampling sees whole rows."""
+    and hidden states are gathered to it so sampling sees whole rows. logprobs_mode and
+    max_logprobs (the top-k width of every logprobs output) are engine statics."""
 
     def constrain(x):
         return x if replicated is None else jax.lax.with_sharding_constraint(x, replicated)
@@ -72,8 +75,10 @@ def make_step_fn(graphdef, attention_backend: str, replicated=None):
         hidden_TD = constrain(hidden_TD)
         logits_SV = constrain(model.compute_logits(hidden_TD[bm.logits_indices_S]))  # f32
 
-        out = sample(logits_SV, smd, lambda: token_ids_RL.at[bm.slot_S].get(mode="fill",
-                                                                             fill_value=0))
+        k = num_topk(max_logprobs, logits_SV.shape[-1])
+        out = sample(logits_SV, smd,
+                     lambda: token_ids_RL.at[bm.slot_S].get(mode="fill", fill_value=0),
+                     logprobs_mode=logprobs_mode, max_num_logprobs=max_logprobs)
         # The sampled token sits right after the sequence's last computed position.
         write_slot_S = jnp.where(bm.samples_S, bm.slot_S, R)
         token_ids_RL = token_ids_RL.at[write_slot_S, md.seq_lens].set(out.sampled_token_ids,
@@ -81,19 +86,20 @@ def make_step_fn(graphdef, attention_backend: str, replicated=None):
 
         def prompt_logprobs():
             logits_TV = constrain(model.compute_logits(hidden_TD))
-            return compute_prompt_logprobs(logits_TV, bm.prompt_targets_T)
+            return compute_prompt_logprobs(logits_TV, bm.prompt_targets_T, k)
 
         prompt = jax.lax.cond(jnp.any(bm.wants_prompt_logprobs_T), prompt_logprobs,
-                              lambda: zero_logprobs(bm.prompt_targets_T, logits_SV.shape[-1]))
+                              lambda: zero_logprobs(bm.prompt_targets_T, k))
         return (StepOutput(out.sampled_token_ids, out.logprobs, prompt), kv_caches,
                 token_ids_RL)
 
     return jax.jit(step, donate_argnums=(1, 2))
 
 
-def abstract_inputs(T: int, S: int, W: int, sharding=None
+def abstract_inputs(T: int, S: int, W: int, sharding=None, vocab_size: int = 0
                     ) -> tuple[AttentionMetadata, BatchMetadata, SamplingMetadata]:
-    """ShapeDtypeStructs of a (T, S, W) step's metadata, for ahead-of-time compiles."""
+    """ShapeDtypeStructs of a (T, S, W) step's metadata, for ahead-of-time compiles.
+    vocab_size: the width of the allowed-token bit sets (0: no row may restrict)."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa
     bool_ = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=sharding)  # noqa
     md = AttentionMetadata(input_ids=i32(T), positions=i32(T), slot_mapping=i32(T),
@@ -103,7 +109,7 @@ def abstract_inputs(T: int, S: int, W: int, sharding=None
                        slot_S=i32(S), samples_S=bool_(S), prompt_targets_T=i32(T),
                        wants_prompt_logprobs_T=bool_(T))
     smd = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                       dummy_sampling_metadata(S))
+                       dummy_sampling_metadata(S, vocab_size=vocab_size))
     return md, bm, smd
 
 

@@ -6,7 +6,8 @@ token for each request whose prefill is complete. After every step we check bloc
 the budget and seat caps, and that the runner's view matches the scheduler's. At the end every
 request must have finished, with exactly the tokens and finish reason a reference model gives.
 
-Half the scenarios run the async loop: step N+1 is scheduled and executed before step N's
+Half the scenarios use the "priority" scheduling policy (so a preemption victim may be a
+request already scheduled in the same step), and half run the async loop: step N+1 is scheduled and executed before step N's
 output is folded back, so requests carry output placeholders and preemption makes in-flight
 tokens stale. The fake runner then feeds placeholder rows from its own last samples, as the
 device does.
@@ -39,6 +40,7 @@ class Spec:
     params: Params
     abort_step: int | None  # abort before schedule() of this step
     abort_mid_step: bool  # if aborting, do it between schedule() and update_from_output()
+    priority: int = 0  # read only with the "priority" scheduling policy
 
 
 def token_at(req_id: str, position: int) -> int:
@@ -132,6 +134,7 @@ def scenarios(draw):
         max_num_seqs=draw(st.integers(1, 5)),
         max_num_batched_tokens=draw(st.integers(1, 24)),
         async_scheduling=draw(st.booleans()),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
     )
     specs = []
     for _ in range(draw(st.integers(1, 10))):
@@ -149,6 +152,7 @@ def scenarios(draw):
             params=params,
             abort_step=draw(st.integers(0, 40)) if aborts else None,
             abort_mid_step=draw(st.booleans()),
+            priority=draw(st.integers(-1, 1)),
         ))
     return config, specs
 
@@ -160,11 +164,11 @@ def test_random_mixes_keep_invariants_and_finish(scenario):
     block_size, max_model_len = config["block_size"], config["max_model_len"]
     kv = KVCacheManager(config["num_blocks"], block_size, max_model_len)
     sched = Scheduler(kv, config["max_num_seqs"], config["max_num_batched_tokens"],
-                      max_model_len)
+                      max_model_len, policy=config["policy"])
     in_flight = config["async_scheduling"]
     runner = FakeRunner(block_size)
     requests = {str(i): Request(str(i), [(i + j) % VOCAB for j in range(s.prompt_len)],
-                                s.params, EOS, float(s.arrival_step))
+                                s.params, EOS, float(s.arrival_step), s.priority)
                 for i, s in enumerate(specs)}
     specs_by_id = {str(i): s for i, s in enumerate(specs)}
     emitted: dict[str, list[int]] = {req_id: [] for req_id in requests}

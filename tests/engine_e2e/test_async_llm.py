@@ -175,3 +175,45 @@ def test_a_dead_engine_fails_every_stream_and_every_later_call(tiny_model_dir):
             run(collect(engine, PROMPT, greedy(5)))
     finally:
         engine.shutdown()
+
+
+def test_priority_reaches_every_child_from_the_server_and_is_checked(engine, monkeypatch):
+    from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from jaxllm.entrypoints.openai.serving import OpenAIServing
+
+    serving = OpenAIServing(engine, ["tiny"], None)
+    # The engine's policy is "fcfs": a nonzero priority is refused before anything is queued.
+    with pytest.raises(ValueError, match="Got priority 3 but Priority scheduling is not "
+                                         "enabled"):
+        serving.check_completion(CompletionRequest(prompt=[1, 2, 3], priority=3))
+    with pytest.raises(ValueError, match="Got priority -1 but Priority scheduling"):
+        serving.check_chat(ChatCompletionRequest(
+            messages=[{"role": "user", "content": "hi"}], priority=-1))
+    with pytest.raises(ValueError, match="Priority scheduling is not enabled"):
+        run(_generate_with_priority(engine, 1))
+    assert_idle(engine)
+
+    # Let the front end accept priorities (the fcfs scheduler just ignores their order) and
+    # record what reaches the engine core: n children share their parent's priority.
+    monkeypatch.setattr(engine.engine.processor, "scheduling_policy", "priority")
+    seen = []
+    core = engine.engine.engine_core
+    add = core.add_request
+    monkeypatch.setattr(core, "add_request", lambda r: (seen.append((r.request_id,
+                                                                      r.priority)), add(r)))
+
+    async def main():
+        body = CompletionRequest(prompt=[1, 2, 3], max_tokens=2, n=2, seed=1, priority=7,
+                                 request_id="p")
+        await serving.create_completion(body, "tiny")
+        chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                     max_tokens=2, priority=-2, request_id="c")
+        await serving.create_chat_completion(chat, "tiny")
+
+    run(main())
+    assert seen == [("0_p-0", 7), ("1_p-0", 7), ("c", -2)]
+    assert_idle(engine)
+
+
+async def _generate_with_priority(engine, priority):
+    return [out async for out in engine.generate(PROMPT, greedy(2), None, priority=priority)]

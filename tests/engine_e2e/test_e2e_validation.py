@@ -45,9 +45,9 @@ def test_logprobs_over_the_engine_cap(llm, name):
         llm.generate("Hello", params, use_tqdm=False)
 
 
-def test_logprobs_over_the_global_cap_fail_in_sampling_params():
-    with pytest.raises(ValueError, match=r"logprobs must be None or in \[0, 20\], got 21"):
-        SamplingParams(logprobs=21)
+def test_logprobs_minus_one_is_the_vocabulary_over_the_cap(llm):
+    with pytest.raises(ValueError, match=rf"logprobs of {VOCAB}.*max allowed: {MAX_LOGPROBS}"):
+        llm.generate("Hello", greedy(4, logprobs=-1), use_tqdm=False)
 
 
 def test_sampling_params_list_must_match_the_prompts(llm):

@@ -301,3 +301,155 @@ def test_logprobs_processor_builds_vllm_dicts():
     assert (off.logprobs, off.prompt_logprobs, off.cumulative_logprob) == (None, None, None)
     with pytest.raises(ValueError, match="did not ask for logprobs"):
         off.add_sample_logprobs(LogprobsLists([[1]], [[0.0]], [1]))
+
+
+# ---- allowed_token_ids, bad_words, logprobs modes and widths --------------------------------
+
+from jaxllm.runner.sampler import apply_bad_words, sample  # noqa: E402
+from jaxllm.runner.sampling_metadata import (ALL_LOGPROBS, MAX_BAD_WORD_TOKENS,  # noqa: E402
+                                             NO_TOKEN, bad_words_rows)
+
+
+def bad_row(words, seed=0, prompt=(3, 4), output=(), **kwargs):
+    """A row whose bad words are already token sequences (the processor's job at admission)."""
+    r = row(seed, prompt, output, bad_words=["x"], **kwargs)
+    r.params._bad_words_token_ids = [list(w) for w in words]
+    return r
+
+
+@pytest.mark.parametrize("vocab", [V, 40])  # 40: a partly used last bit word
+def test_allowed_token_ids_restrict_and_leave_other_rows_identical(vocab):
+    logits = make_logits(20, vocab=vocab)
+    rows = [row(temperature=0.0, allowed_token_ids=[5, 7, vocab - 1]),
+            row(seed=3, temperature=1.0, allowed_token_ids=[9]),
+            row(temperature=0.0), row(seed=4, temperature=0.7, top_k=5)]
+    md = build_sampling_metadata(rows, num_seqs_padded=S, eos_token_ids=[EOS], max_model_len=L,
+                                 vocab_size=vocab)
+    out = jax.device_get(sample_jit(jnp.asarray(logits), md))
+    allowed = [5, 7, vocab - 1]
+    assert out.sampled_token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+    assert out.sampled_token_ids[1] == 9
+    # Rows that did not ask: exactly what they sample in a batch where no row restricts.
+    plain = build_sampling_metadata([row(temperature=0.0), row(temperature=0.0), rows[2],
+                                     rows[3]], num_seqs_padded=S, eos_token_ids=[EOS],
+                                    max_model_len=L, vocab_size=vocab)
+    ref = jax.device_get(sample_jit(jnp.asarray(logits), plain))
+    np.testing.assert_array_equal(out.sampled_token_ids[2:], ref.sampled_token_ids[2:])
+
+
+def test_allowed_token_ids_need_a_vocabulary():
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be in \[0, 0\)"):
+        build_sampling_metadata([row(allowed_token_ids=[1])], num_seqs_padded=S,
+                                eos_token_ids=[], max_model_len=L)
+
+
+def bad_words_numpy(words, output):
+    """vLLM v1's `_apply_bad_words_single_batch`: the banned last tokens."""
+    banned = set()
+    for word in words:
+        if len(word) > len(output) + 1:
+            continue
+        prefix = word[:-1]
+        if list(output[len(output) - len(prefix):]) == list(prefix) or not prefix:
+            banned.add(word[-1])
+    return banned
+
+
+def test_bad_words_match_vllms_rule_on_the_output_history():
+    rng = np.random.default_rng(0)
+    G = MAX_BAD_WORD_TOKENS
+    for case in range(40):
+        prompt = list(rng.integers(0, 4, rng.integers(1, 5)))
+        output = list(rng.integers(0, 4, rng.integers(0, 20)))
+        words = [list(rng.integers(0, 4, rng.integers(1, 5))) for _ in range(rng.integers(1, 6))]
+        if case == 0:  # a full-width word whose prefix is the whole output window
+            output = list(range(G - 1))
+            words = [list(range(G - 1)) + [3], [0] * G]
+        history = np.zeros((1, 64), np.int32)
+        history[0, :len(prompt) + len(output)] = prompt + output
+        x = jax.device_get(apply_bad_words(
+            jnp.zeros((1, 8), jnp.float32), jnp.asarray(bad_words_rows(words)[None]),
+            jnp.asarray(history), jnp.array([len(prompt)]),
+            jnp.array([len(prompt) + len(output)])))
+        assert set(np.flatnonzero(np.isneginf(x[0]))) == bad_words_numpy(words, output), case
+
+
+def test_bad_words_ignore_the_prompt_and_ban_in_the_sampler():
+    logits = make_logits(21)
+    top = logits.argsort(-1)[:, ::-1]
+    rows = [bad_row([[top[0, 0]]], temperature=0.0),  # one token: always banned
+            bad_row([[7, top[1, 0]]], output=[5, 7], temperature=0.0),  # prefix matches
+            bad_row([[4, top[2, 0]]], prompt=(3, 4), temperature=0.0),  # prefix only in prompt
+            row(temperature=0.0)]
+    _, out = run(rows, logits)
+    np.testing.assert_array_equal(out.sampled_token_ids,
+                                  [top[0, 1], top[1, 1], top[2, 0], top[3, 0]])
+    with pytest.raises(ValueError, match="bad_words supports at most"):
+        bad_words_rows([[1] * (MAX_BAD_WORD_TOKENS + 1)])
+    assert (bad_words_rows([[1, 2]])[0] == [NO_TOKEN] * (MAX_BAD_WORD_TOKENS - 2) + [1, 2]).all()
+
+
+def sample_modes(logits, rows, mode, k):
+    md = build_sampling_metadata(rows, num_seqs_padded=S, eos_token_ids=[EOS], max_model_len=L,
+                                 vocab_size=V)
+    return jax.device_get(sample_jit(jnp.asarray(logits), md, logprobs_mode=mode,
+                                     max_num_logprobs=k))
+
+
+def test_logprobs_modes_follow_vllms_sampler():
+    logits = make_logits(22)
+    rows = [row(temperature=0.0, repetition_penalty=1.5, prompt=(3, 4), logprobs=-1,
+                allowed_token_ids=list(range(16))),
+            row(seed=5, temperature=0.5, top_k=3, logprobs=-1, output=[9]),
+            row(temperature=0.0), row(seed=6, temperature=2.0, logprobs=-1)]
+    # The processed logits by hand: allowed ids, penalties (greedy row 0: unscaled) ...
+    processed = logits.astype(np.float32).copy()
+    processed[0, 16:] = -np.inf
+    for t in (3, 4):
+        processed[0, t] = processed[0, t] / 1.5 if processed[0, t] > 0 else processed[0, t] * 1.5
+    processed[1] = processed[1] / np.float32(0.5)  # ... temperature and top_k for random rows
+    processed[1, processed[1].argsort()[:-3]] = -np.inf
+    processed[3] = processed[3] / np.float32(2.0)
+    raw = logits.astype(np.float32)
+    expected = {"raw_logits": raw, "raw_logprobs": log_softmax_numpy(raw),
+                "processed_logits": processed, "processed_logprobs": log_softmax_numpy(processed)}
+    sampled = None
+    for mode, scores in expected.items():
+        out = sample_modes(logits, rows, mode, -1)
+        assert out.logprobs.topk_logprobs.shape == (S, V)  # max_logprobs=-1: the vocabulary
+        if sampled is None:
+            sampled = out.sampled_token_ids
+        np.testing.assert_array_equal(out.sampled_token_ids, sampled)  # modes never sample
+        for i in (0, 1, 3):
+            np.testing.assert_allclose(out.logprobs.topk_logprobs[i], np.sort(scores[i])[::-1],
+                                       rtol=1e-5, atol=1e-5, err_msg=f"{mode} row {i}")
+            np.testing.assert_allclose(out.logprobs.selected_logprobs[i],
+                                       scores[i, sampled[i]], rtol=1e-5, atol=1e-5)
+    assert sampled[0] == processed[0].argmax() and sampled[1] in processed[1].argsort()[-3:]
+
+
+def test_logprobs_width_is_the_engines_max_logprobs():
+    logits = make_logits(23)
+    rows = [row(temperature=0.0, logprobs=2), row(temperature=0.0, logprobs=-1)]
+    for k, width in [(5, 5), (0, 0), (-1, V), (V + 10, V)]:
+        out = sample_modes(logits, rows, "raw_logprobs", k)
+        assert out.logprobs.topk_token_ids.shape == (S, width)
+    md = build_sampling_metadata(rows, num_seqs_padded=S, eos_token_ids=[EOS], max_model_len=L)
+    assert md.num_logprobs[1] == ALL_LOGPROBS
+    out = sample_modes(logits, rows, "raw_logprobs", -1)
+    lists = logprobs_lists(out.logprobs, [1], int(md.num_logprobs[1]))
+    assert len(lists.logprob_token_ids[0]) == V + 1  # the sampled token, then every token
+    assert sorted(lists.logprob_token_ids[0][1:]) == list(range(V))
+    pl = jax.device_get(prompt_logprobs_jit(jnp.asarray(logits), jnp.zeros(S, jnp.int32), k=V))
+    assert pl.topk_token_ids.shape == (S, V)
+
+
+def test_sample_is_unchanged_when_no_row_asks():
+    """The default mode and width give what the sampler gave before these features: checked
+    through the raw logprobs of a mixed batch against numpy."""
+    logits = make_logits(24)
+    rows = [row(temperature=0.0, logprobs=3), row(seed=7, temperature=0.8, logprobs=1)]
+    md = build_sampling_metadata(rows, num_seqs_padded=S, eos_token_ids=[EOS], max_model_len=L)
+    out = jax.device_get(jax.jit(sample)(jnp.asarray(logits), md))
+    np.testing.assert_allclose(out.logprobs.topk_logprobs[:2],
+                               np.sort(log_softmax_numpy(logits))[:2, ::-1][:, :20], atol=1e-5)

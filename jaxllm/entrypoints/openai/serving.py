@@ -101,14 +101,15 @@ class OpenAIServing:
                                      req.logprobs)
         prompts = self.completion_prompts(req)
         for prompt in prompts:  # every prompt is checked before any is queued
-            self.engine.engine.processor.process(prompt, params)
+            self.engine.engine.processor.process(prompt, params, priority=req.priority)
         return prompts, params
 
     async def create_completion(self, req: CompletionRequest, model: str):
         prompts, params = self.check_completion(req)
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = [self.engine.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
+        streams = [self.engine.generate(p, params, f"{rid}-{i}", req.priority)
+                   for i, p in enumerate(prompts)]
         k = req.logprobs or 0
         if req.stream:
             return self._stream_completion(streams, rid, created, model, req, k)
@@ -168,14 +169,14 @@ class OpenAIServing:
             max_tokens = max(1, self.max_model_len - len(prompt.token_ids))
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs
                                      else None)
-        processor.process(prompt, params)
+        processor.process(prompt, params, priority=req.priority)
         return prompt, params
 
     async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
         prompt, params = self.check_chat(req)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = self.engine.generate(prompt, params, rid)
+        stream = self.engine.generate(prompt, params, rid, req.priority)
         k = req.top_logprobs or 0
         if req.stream:
             return self._stream_chat(stream, rid, created, model, req, k)
