@@ -15,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.cache import AUTO
-from jaxllm.engine.request_queue import SCHEDULING_POLICIES
 from jaxllm.kernels import ATTENTION_BACKENDS
-from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.sampling_params import LOGPROBS_MODES
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 CPU_DEFAULT_MAX_MODEL_LEN = 2048
@@ -43,16 +42,17 @@ class EngineConfig:
     # JAX's persistent compilation cache (and converted GGUF copies), by default under the
     # user's cache directory (jaxllm/cache.py; JAXLLM_CACHE_DIR moves it); None turns both off.
     compilation_cache_dir: str | None = AUTO
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # -1: no cap (the whole vocabulary); the sampler's static top-k
+    # What logprobs hold (vLLM's modes): "raw_logprobs", "raw_logits", "processed_logprobs" or
+    # "processed_logits" (after allowed ids, bad words, min_tokens, penalties, temperature,
+    # min_p, top-k/top-p). Compiled into the step.
+    logprobs_mode: str = "raw_logprobs"
     gguf_file: str | None = None
     tensor_parallel_size: int = 1  # devices on one "tp" mesh axis (Megatron layout)
     # Schedule step N+1 while step N runs (vLLM's async scheduler); same outputs either way.
     async_scheduling: bool = True
     # Reuse the KV blocks of prompt prefixes already computed (vLLM v1's default: on).
     enable_prefix_caching: bool = True
-    # Order of the waiting queue and choice of preemption victims (engine/request_queue.py):
-    # "fcfs", or "priority" (lower `priority` first, then arrival; vLLM's).
-    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "gguf_file", "compilation_cache_dir"):
@@ -73,9 +73,6 @@ class EngineConfig:
                 self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (or None "
                              f"for the platform's default), got {self.attention_backend!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
-                             f"{self.scheduling_policy!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -88,10 +85,12 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            # The sampler's top-k width is static: more would be silently truncated.
-            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got "
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got "
                              f"{self.max_logprobs}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got "
+                             f"{self.logprobs_mode!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from jaxllm.messages import EngineCoreRequest
-from jaxllm.runner.sampling_metadata import banned_until_min_tokens, request_seed
+from jaxllm.runner.sampling_metadata import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS,
+                                             banned_until_min_tokens, request_seed)
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -40,7 +40,6 @@ class ProcessedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams  # the checked copy; the user's object is never touched
-    priority: int = 0  # shared by all `n` children
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,10 +161,8 @@ class Processor:
     """Validation, tokenization and fan-out for one engine (its tokenizer and limits)."""
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 eos_token_id: int | None, extra_eos_ids: Sequence[int], engine_seed: int,
-                 scheduling_policy: str = "fcfs"):
+                 eos_token_id: int | None, extra_eos_ids: Sequence[int], engine_seed: int):
         self.tokenizer = tokenizer
-        self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -210,11 +207,9 @@ class Processor:
         return prompts
 
     def process(self, prompt: PromptInput, params: SamplingParams,
-                output_kind: RequestOutputKind | None = None, priority: int = 0
-                ) -> ProcessedRequest:
+                output_kind: RequestOutputKind | None = None) -> ProcessedRequest:
         """Tokenize and check one request; raises ValueError naming what is wrong.
         output_kind: overrides the params' (LLM.generate asks for FINAL_ONLY)."""
-        priority = self.check_priority(priority)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(params).__name__}")
@@ -225,17 +220,7 @@ class Processor:
         params = self.check_params(params)
         if output_kind is not None:
             params.output_kind = output_kind
-        return ProcessedRequest(prompt.text, list(ids), params, priority)
-
-    def check_priority(self, priority) -> int:
-        """An int; anything but 0 needs the "priority" scheduling policy (vLLM's check)."""
-        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int, got {type(priority).__name__}")
-        if priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled "
-                             f"(scheduling_policy={self.scheduling_policy!r}; use "
-                             "scheduling_policy='priority').")
-        return int(priority)
+        return ProcessedRequest(prompt.text, list(ids), params)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -259,16 +244,45 @@ class Processor:
             raise ValueError(f"best_of is not supported (got best_of={params.best_of}, "
                              f"n={params.n}); use n")
         params = params.checked_clone()
+        # -1 means the whole vocabulary, for a request and for the engine's cap (vLLM).
+        cap = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and k > self.max_logprobs:
+            k = self.vocab_size if k == -1 else k
+            if k is not None and k > cap:
                 raise ValueError(f"Requested {name} of {k}, which is greater than max allowed: "
-                                 f"{self.max_logprobs}")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[0]}")
+                                 f"{cap}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or [] if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be in [0, {self.vocab_size}), got {bad[0]}")
         banned_until_min_tokens(params, self.eos_token_ids)  # raises past the sampler's width
+        if params.bad_words:
+            params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         return params
+
+    def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """vLLM's `update_from_tokenizer`: each word (left-stripped) without and with a
+        leading space, so it is banned at the start of the text and after a space; the
+        spaced form only when it starts with another token and has as many tokens (else it
+        is the same word split differently)."""
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        if len(sequences) > MAX_BAD_WORDS or any(len(s) > MAX_BAD_WORD_TOKENS
+                                                 for s in sequences):
+            raise ValueError(f"bad_words supports at most {MAX_BAD_WORDS} token sequences of "
+                             f"at most {MAX_BAD_WORD_TOKENS} tokens (each word counts once "
+                             f"or twice: with and without a leading space), got "
+                             f"{[len(s) for s in sequences]}")
+        bad = [t for s in sequences for t in s if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"bad_words tokenize to ids outside [0, {self.vocab_size}): {bad}")
+        return sequences
 
     # ---- ids, seeds and the n fan-out ------------------------------------------------------
 
@@ -283,8 +297,7 @@ class Processor:
         now = arrival_time if arrival_time is not None else time.time()
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         children = [EngineCoreRequest(child_id, request.prompt_token_ids,
-                                      self._child_params(params, i), self.eos_token_id, now,
-                                      request.priority)
+                                      self._child_params(params, i), self.eos_token_id, now)
                     for i, child_id in enumerate(ids)]
         return FanOut(request_id, request.prompt, request.prompt_token_ids, params, children)
 

@@ -107,6 +107,28 @@ def test_sampling_extras_n_seed_stop_and_logprobs(client):
     assert " " not in stopped.choices[0].text
 
 
+def test_bad_words_and_allowed_token_ids(client, server):
+    def ids(text):
+        return httpx.post(server.url + "/tokenize",
+                          json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    [cat], [dog] = ids(" cat"), ids(" dog")
+    kw = dict(model="tiny", prompt="The capital of France is", max_tokens=4, temperature=0)
+    # "cat" bans both "cat" and " cat" (vLLM tokenizes each bad word with and without a
+    # leading space), so of the two allowed tokens only " dog" is left.
+    out = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": ["cat"],
+                                                     "allowed_token_ids": [cat, dog]})
+    text = httpx.post(server.url + "/detokenize", json={"tokens": [dog] * 4}).json()["prompt"]
+    assert out.choices[0].text == text
+    out = client.completions.create(**kw, extra_body={"ignore_eos": True,
+                                                     "allowed_token_ids": [cat]})
+    text = httpx.post(server.url + "/detokenize", json={"tokens": [cat] * 4}).json()["prompt"]
+    assert out.choices[0].text == text
+    r = httpx.post(server.url + "/v1/completions", timeout=30,
+                   json={"prompt": "x", "allowed_token_ids": []})
+    assert r.status_code == 400 and "allowed_token_ids" in r.json()["error"]["message"]
+
+
 def test_sse_framing_is_raw_openai(server):
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
             "prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True,
