@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.cache import AUTO
+from jaxllm.engine.request_queue import SCHEDULING_POLICIES
 from jaxllm.kernels import ATTENTION_BACKENDS
 from jaxllm.sampling_params import LOGPROBS_MODES
 
@@ -53,6 +54,9 @@ class EngineConfig:
     async_scheduling: bool = True
     # Reuse the KV blocks of prompt prefixes already computed (vLLM v1's default: on).
     enable_prefix_caching: bool = True
+    # Order of the waiting queue and choice of preemption victims (engine/request_queue.py):
+    # "fcfs", or "priority" (lower `priority` first, then arrival; vLLM's).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "gguf_file", "compilation_cache_dir"):
@@ -73,6 +77,9 @@ class EngineConfig:
                 self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (or None "
                              f"for the platform's default), got {self.attention_backend!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+                             f"{self.scheduling_policy!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -71,13 +71,15 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, vocab_size=mcfg.vocab_size,
                                    max_model_len=config.max_model_len,
                                    max_logprobs=config.max_logprobs, eos_token_id=eos,
-                                   extra_eos_ids=extra_eos_ids, engine_seed=config.seed)
+                                   extra_eos_ids=extra_eos_ids, engine_seed=config.seed,
+                                   scheduling_policy=config.scheduling_policy)
 
         num_blocks = determine_num_blocks(config, mcfg, dtype)
         kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.max_model_len,
                                           enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(kv_cache_manager, config.max_num_seqs,
-                              config.max_num_batched_tokens, config.max_model_len)
+                              config.max_num_batched_tokens, config.max_model_len,
+                              policy=config.scheduling_policy)
         backend = config.attention_backend or default_attention_backend(
             config.tensor_parallel_size)
         max_blocks = -(-config.max_model_len // config.block_size)
@@ -119,22 +121,25 @@ class LLMEngine:
 
     def add_request(self, prompt: str | None, prompt_token_ids: Sequence[int] | None,
                     params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0) -> str:
         """Admit one request (text, token ids, or both); -> its request id."""
         return self.add_requests([PromptInput(prompt, None if prompt_token_ids is None
                                               else list(prompt_token_ids))], [params],
-                                 [request_id], arrival_time)[0]
+                                 [request_id], arrival_time, priorities=[priority])[0]
 
     def add_requests(self, prompts: Sequence[PromptInput], params: Sequence[SamplingParams],
                      request_ids: Sequence[str | None] | None = None,
                      arrival_time: float | None = None,
-                     output_kind: RequestOutputKind | None = None) -> list[str]:
+                     output_kind: RequestOutputKind | None = None,
+                     priorities: Sequence[int] | None = None) -> list[str]:
         """Admit a batch, all or nothing: every prompt is tokenized and checked, and every
         id checked for collisions, before the first one is queued. output_kind overrides
-        the params' (LLM.generate uses FINAL_ONLY)."""
+        the params' (LLM.generate uses FINAL_ONLY); priorities: one per prompt (0)."""
         request_ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
-        processed: list[ProcessedRequest] = [self.processor.process(p, sp, output_kind)
-                                             for p, sp in zip(prompts, params, strict=True)]
+        priorities = list(priorities) if priorities is not None else [0] * len(prompts)
+        processed: list[ProcessedRequest] = [
+            self.processor.process(p, sp, output_kind, priority)
+            for p, sp, priority in zip(prompts, params, priorities, strict=True)]
         self._check_ids(processed, request_ids)
         fanned: list[FanOut] = [self.processor.fan_out(r, rid, arrival_time)
                                 for r, rid in zip(processed, request_ids)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,7 @@ class ProcessedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams  # the checked copy; the user's object is never touched
+    priority: int = 0  # shared by all `n` children
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +163,10 @@ class Processor:
     """Validation, tokenization and fan-out for one engine (its tokenizer and limits)."""
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 eos_token_id: int | None, extra_eos_ids: Sequence[int], engine_seed: int):
+                 eos_token_id: int | None, extra_eos_ids: Sequence[int], engine_seed: int,
+                 scheduling_policy: str = "fcfs"):
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -207,9 +211,11 @@ class Processor:
         return prompts
 
     def process(self, prompt: PromptInput, params: SamplingParams,
-                output_kind: RequestOutputKind | None = None) -> ProcessedRequest:
+                output_kind: RequestOutputKind | None = None, priority: int = 0
+                ) -> ProcessedRequest:
         """Tokenize and check one request; raises ValueError naming what is wrong.
         output_kind: overrides the params' (LLM.generate asks for FINAL_ONLY)."""
+        priority = self.check_priority(priority)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(params).__name__}")
@@ -220,7 +226,17 @@ class Processor:
         params = self.check_params(params)
         if output_kind is not None:
             params.output_kind = output_kind
-        return ProcessedRequest(prompt.text, list(ids), params)
+        return ProcessedRequest(prompt.text, list(ids), params, priority)
+
+    def check_priority(self, priority) -> int:
+        """An int; anything but 0 needs the "priority" scheduling policy (vLLM's check)."""
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {type(priority).__name__}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled "
+                             f"(scheduling_policy={self.scheduling_policy!r}; use "
+                             "scheduling_policy='priority').")
+        return int(priority)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -297,7 +313,8 @@ class Processor:
         now = arrival_time if arrival_time is not None else time.time()
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         children = [EngineCoreRequest(child_id, request.prompt_token_ids,
-                                      self._child_params(params, i), self.eos_token_id, now)
+                                      self._child_params(params, i), self.eos_token_id, now,
+                                      request.priority)
                     for i, child_id in enumerate(ids)]
         return FanOut(request_id, request.prompt, request.prompt_token_ids, params, children)
 
