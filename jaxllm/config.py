@@ -57,6 +57,9 @@ class EngineConfig:
     # Order of the waiting queue and choice of preemption victims (engine/request_queue.py):
     # "fcfs", or "priority" (lower `priority` first, then arrival; vLLM's).
     scheduling_policy: str = "fcfs"
+    # Log a stats line every 10 s while there is work (engine/stat_logger.py). False here as
+    # in vLLM's EngineArgs (so `jaxllm serve` logs); LLM(...) defaults to True, as vLLM's.
+    disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "gguf_file", "compilation_cache_dir"):
@@ -69,7 +72,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching"):
+        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching",
+                     "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got "
                                  f"{type(getattr(self, name)).__name__}")

@@ -30,7 +30,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: int | None = None, enforce_eager: bool = False,
-                 use_tqdm_on_load: bool = True, **kwargs: Any):
+                 use_tqdm_on_load: bool = True, disable_log_stats: bool = True,
+                 **kwargs: Any):
         unknown = set(kwargs) - _CONFIG_FIELDS
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(unknown)}")
@@ -41,7 +42,7 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override, enforce_eager=enforce_eager,
-            **kwargs)
+            disable_log_stats=disable_log_stats, **kwargs)
         self.llm_engine = LLMEngine(config, use_tqdm=use_tqdm_on_load)
 
     def get_tokenizer(self):

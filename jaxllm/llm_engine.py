@@ -23,6 +23,7 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.processor import FanOut, ProcessedRequest, Processor, PromptInput
 from jaxllm.engine.request import RequestStatus
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.stat_logger import LoggingStatLogger
 from jaxllm.kernels import default_attention_backend
 from jaxllm.metrics import EngineMetrics
 from jaxllm.models.dtype import resolve_dtype
@@ -98,6 +99,8 @@ class LLMEngine:
         self.metrics = EngineMetrics(resolved.name)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self._aborted_outputs: list[RequestOutput] = []
+        # The periodic stats line; get_metrics() works either way.
+        self.stat_logger = None if config.disable_log_stats else LoggingStatLogger()
         self.warmup_seconds = 0.0
         if not config.enforce_eager:
             t0 = time.perf_counter()
@@ -211,6 +214,8 @@ class LLMEngine:
         done, stopped = self.output_processor.process_outputs(engine_outputs)
         if stopped:
             self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log(self.scheduler.make_stats)
         return finished + done
 
     def reset_prefix_cache(self) -> bool:

@@ -3,13 +3,17 @@
 Owns the command line: the server's flags, one flag per engine argument (generated from
 EngineConfig's fields, so every argument `LLM(...)` takes is a flag), and `--config
 config.yaml` whose keys are flag names (dashes or underscores); flags given on the command
-line win over the file. Never builds responses: it starts uvicorn on api_server's app.
+line win over the file. A bool flag alone means true (`--disable-log-stats`, as vLLM's), or
+takes a value (`--enable-prefix-caching false`). Unlike `LLM(...)`, the server logs a stats
+line every 10 s unless `--disable-log-stats` (vLLM's defaults for both). Never builds
+responses: it starts uvicorn on api_server's app.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 import typing
@@ -45,8 +49,10 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", help="a Jinja template, or a file holding one")
     serve.add_argument("--uvicorn-log-level")
     for field in dataclasses.fields(EngineConfig):
-        serve.add_argument("--" + field.name.replace("_", "-"), type=_engine_flag_type(field),
-                           dest=field.name)
+        kind = _engine_flag_type(field)
+        bare = dict(nargs="?", const=True) if field.type in (bool, "bool") else {}
+        serve.add_argument("--" + field.name.replace("_", "-"), type=kind, dest=field.name,
+                           **bare)
     return parser
 
 
@@ -54,7 +60,7 @@ def resolve_args(argv: list[str]) -> tuple[dict, EngineConfig]:
     """`serve` arguments (after the word serve) -> (server settings, engine config):
     defaults < config file < command line."""
     parsed = vars(make_parser().parse_args(["serve", *argv]))
-    values: dict = {}
+    values: dict = {"disable_log_stats": False}  # the EngineConfig default, stated here
     if "config" in parsed:
         values.update(_read_config(parsed.pop("config")))
     parsed.pop("command")
@@ -96,6 +102,7 @@ def serve(argv: list[str]) -> None:
     from jaxllm.models.resolve import DEFAULT_MODEL
 
     server, config = resolve_args(argv)
+    _log_to_stderr()
     engine = AsyncLLM(config, use_tqdm=True)
     name = server["served_model_name"] or config.model or DEFAULT_MODEL
     app = build_app(engine, served_model_names=[name], api_key=server["api_key"],
@@ -104,6 +111,17 @@ def serve(argv: list[str]) -> None:
     # app's lifespan shuts the engine down.
     uvicorn.run(app, host=server["host"], port=server["port"],
                 log_level=server["uvicorn_log_level"], timeout_graceful_shutdown=30)
+
+
+def _log_to_stderr() -> None:
+    """jaxllm's INFO lines (model load, the stats line) on stderr, as vLLM's server shows
+    its own; left alone if the user configured the "jaxllm" logger."""
+    jaxllm_logger = logging.getLogger("jaxllm")
+    if not jaxllm_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+        jaxllm_logger.addHandler(handler)
+        jaxllm_logger.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> None:
