@@ -13,6 +13,7 @@ _LAZY = {
     "AsyncLLM": ("jaxllm.engine.async_llm", "AsyncLLM"),
     "AsyncLLMEngine": ("jaxllm.engine.async_llm", "AsyncLLMEngine"),
     "AsyncEngineArgs": ("jaxllm.engine.async_llm", "AsyncEngineArgs"),
+    "BeamSearchParams": ("jaxllm.beam_search", "BeamSearchParams"),
 }
 
 
@@ -26,5 +27,5 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "SamplingParams",
-           "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
+           "BeamSearchParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -14,6 +14,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from jaxllm.beam_search import (BeamSearchOutput, BeamSearchParams, beam_search,
+                                 beam_search_request_outputs)
 from jaxllm.config import EngineConfig
 from jaxllm.engine.processor import PromptInput, broadcast_params, parse_prompts
 from jaxllm.llm_engine import LLMEngine
@@ -67,6 +69,11 @@ class LLM:
         those. The older keyword form `prompt_token_ids=[[...], ...]` is accepted too.
         priority: one int per prompt, lower served first; needs scheduling_policy="priority"
         unless all are 0."""
+        if isinstance(sampling_params, BeamSearchParams):
+            if prompt_token_ids is not None or priority is not None:
+                raise ValueError("beam search takes prompts only (no prompt_token_ids= or "
+                                 "priority=)")
+            return beam_search_request_outputs(self, prompts, sampling_params)
         parsed = parse_prompts(prompts, prompt_token_ids)
         params = broadcast_params(sampling_params, len(parsed))
         if priority is not None:
@@ -77,6 +84,14 @@ class LLM:
                 raise ValueError(f"The lengths of prompts ({len(parsed)}) and priority "
                                  f"({len(priority)}) must be the same.")
         return self._run(parsed, params, use_tqdm, priority)
+
+    def beam_search(self, prompts, params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: one BeamSearchOutput per prompt, its beams best first
+        (jaxllm/beam_search.py). Beams share KV blocks through the prefix cache."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        return beam_search(self, prompts, params)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
