@@ -76,6 +76,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished or aborted since the previous step
     preempted_req_ids: set[str]  # preempted this step
+    # (source, destination) block ids to copy on the device before this step runs: cached
+    # tails continued by new requests (kv_cache_manager.get_cached_tail).
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -33,6 +33,13 @@ freed first, and a request's tail before its prefix (requests free their blocks 
 One block per hash is indexed. A second block computed with the same tokens (two requests
 that prefilled the same prefix in different steps) stays unhashed: it is an ordinary block
 of its owner and is never shared.
+
+Cached tails: when a request finishes, the partial last block of its computed tokens is
+indexed too (`cached_tail_to_block`, keyed by the hash of its parent block and its m < block
+size tokens). It is never shared, since its owner's successor would write into it: a later
+request whose prefix continues it gets a fresh block and a device copy of the tail
+(kv_cache_manager.py). Beam search and multi-turn chat continue exactly such tails. A tail
+block is free (ref_cnt 0) and evicted like any cached block.
 """
 
 from __future__ import annotations
@@ -138,6 +145,9 @@ class BlockPool:
         # Prefix caching: block_hash -> the block whose K/V for those tokens is valid (held
         # or free). Stays empty when prefix caching is off: nobody calls cache_block.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Cached tails: hash of (parent hash, the m tokens) -> a free block holding their K/V
+        # in its first m slots.
+        self.cached_tail_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -192,6 +202,18 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
 
+    def cache_tail(self, block: KVCacheBlock, tail_hash: BlockHash) -> None:
+        """Index a block its only holder is about to free, under the hash of the partial
+        prefix it holds. A block that is already indexed (a full block) is left alone."""
+        if block.ref_cnt != 1 or block is self.null_block:
+            raise ValueError(f"cannot cache the tail {block}: it is not held by one request")
+        if block.block_hash is None and tail_hash not in self.cached_tail_to_block:
+            block.block_hash = tail_hash
+            self.cached_tail_to_block[tail_hash] = block
+
+    def get_cached_tail(self, tail_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_tail_to_block.get(tail_hash)
+
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop blocks from the index, held or not (their K/V can no longer be trusted)."""
         for block in blocks:
@@ -202,9 +224,10 @@ class BlockPool:
         may be about to share what it holds (vLLM's rule)."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
+        for index in (self.cached_block_hash_to_block, self.cached_tail_to_block):
+            for block in index.values():
+                block.block_hash = None
+            index.clear()
         return True
 
     def _forget_hash(self, block: KVCacheBlock) -> None:
@@ -212,6 +235,7 @@ class BlockPool:
         # held: this is the eviction point of the prefix cache.
         if block.block_hash is None:
             return
-        if self.cached_block_hash_to_block.get(block.block_hash) is block:
-            del self.cached_block_hash_to_block[block.block_hash]
+        for index in (self.cached_block_hash_to_block, self.cached_tail_to_block):
+            if index.get(block.block_hash) is block:
+                del index[block.block_hash]
         block.block_hash = None

@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import dataclasses
+
+from jaxllm.engine.block_hash import ROOT_HASH, hash_block_tokens
 from jaxllm.engine.block_pool import BlockPool, KVCacheBlock
 
 if TYPE_CHECKING:
@@ -66,6 +69,15 @@ def check_fits(num_blocks: int, block_size: int, max_model_len: int, *,
         f"{fix}")
 
 
+@dataclasses.dataclass(frozen=True)
+class CachedTail:
+    """A cached partial block that continues a request's cached prefix: its first
+    `num_tokens` slots hold the K/V the request needs next."""
+
+    block: KVCacheBlock
+    num_tokens: int
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
                  enable_caching: bool = True) -> None:
@@ -77,6 +89,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks were already offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # (source, destination) block ids of cached tails to copy on the device before the
+        # next step runs; the scheduler takes them into its SchedulerOutput.
+        self.blocks_to_copy: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -127,6 +142,26 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def get_cached_tail(self, request: Request, num_hit: int) -> CachedTail | None:
+        """The longest cached tail continuing the request's first `num_hit` tokens (a
+        block-aligned hit from get_computed_blocks), still leaving its last token to compute:
+
+            block_size 4, prompt of 11, 8 tokens hit, tail [t8 t9] cached by a finished
+            request -> CachedTail(that block, 2): the request computes t10 only
+        """
+        if not self.uses_prefix_cache(request) or not self.block_pool.cached_tail_to_block:
+            return None
+        limit = min(self.block_size - 1, request.num_tokens - 1 - num_hit)
+        k = num_hit // self.block_size
+        parent = request.block_hashes[k - 1] if k else ROOT_HASH
+        tokens = request.all_token_ids[num_hit:num_hit + limit]
+        for m in range(limit, 0, -1):
+            block = self.block_pool.get_cached_tail(
+                hash_block_tokens(parent, tokens[:m], request.cache_extra_keys))
+            if block is not None:
+                return CachedTail(block, m)
+        return None
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Offer the prefix cache the request's full blocks within its first `num_tokens`
         positions whose K/V is computed or scheduled, once their tokens are known."""
@@ -148,7 +183,8 @@ class KVCacheManager:
 
     # -- blocks in and out ----------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> list[int] | None:
+                       new_computed_blocks: Sequence[KVCacheBlock] = (),
+                       tail: CachedTail | None = None) -> list[int] | None:
         """Make room for `num_new_tokens` more K/V entries after the computed ones.
 
         `new_computed_blocks` are cache hits from `get_computed_blocks` (waiting requests
@@ -158,6 +194,9 @@ class KVCacheManager:
                      <- cached -> <- num_new_tokens ->   (num_computed_tokens is still 0;
                                                           the scheduler moves it past the hits)
 
+        With a cached `tail` (get_cached_tail) its tokens count as computed too: the first
+        fresh block receives a device copy of the tail block (`blocks_to_copy`).
+
         Returns the ids of the blocks added (hits first, possibly none), or None, with
         nothing changed, when the free queue is too short. The full blocks covered by the new
         tokens are offered to the prefix cache at once: K/V scheduled this step counts as
@@ -165,7 +204,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                        + (tail.num_tokens if tail is not None else 0))
         num_tokens = num_computed + num_new_tokens
         assert num_tokens <= self.max_model_len, (
             request.request_id, request.num_computed_tokens, num_new_tokens)
@@ -179,6 +219,10 @@ class KVCacheManager:
         # Hits first: taken out of the queue before fresh blocks are popped from its front.
         self.block_pool.touch(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_needed)
+        if tail is not None:
+            # The copy runs before this step writes anything, so even a source block just
+            # handed out again (here or to another request) is read intact.
+            self.blocks_to_copy.append((tail.block.block_id, new_blocks[0].block_id))
         added = [*new_computed_blocks, *new_blocks]
         self.req_to_blocks.setdefault(request.request_id, []).extend(added)
         self.cache_blocks(request, num_tokens)
@@ -191,13 +235,31 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id, [])
         self.block_pool.uncache(blocks[request.num_computed_tokens // self.block_size:])
 
-    def free(self, request: Request, *, uncache: bool = False) -> None:
+    def free(self, request: Request, *, uncache: bool = False,
+             cache_tail: bool = False) -> None:
         """Give back every block of the request, tail first, so that its least shareable
         blocks (the tail) are evicted before its prefix. Blocks others hold stay theirs.
         `uncache`: the request's step failed, so K/V it was to write cannot be trusted;
-        its blocks leave the prefix cache (conservatively, all of them)."""
+        its blocks leave the prefix cache (conservatively, all of them).
+        `cache_tail`: the request finished normally; the partial block of its computed
+        tokens is offered to the prefix cache as a tail (block_pool.py)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         if uncache:
             self.block_pool.uncache(blocks)
+        elif cache_tail and self.enable_caching:
+            self._cache_tail(request, blocks)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def _cache_tail(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        # Only known tokens: an async placeholder's K/V is in flight but its id is not here.
+        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        k, m = divmod(num_tokens, self.block_size)
+        if m == 0 or len(blocks) <= k or blocks[k].ref_cnt != 1:
+            return
+        self.update_block_hashes(request)
+        parent = request.block_hashes[k - 1] if k else ROOT_HASH
+        tail_hash = hash_block_tokens(parent, request.all_token_ids[k * self.block_size:
+                                                                    num_tokens],
+                                      request.cache_extra_keys)
+        self.block_pool.cache_tail(blocks[k], tail_hash)

@@ -140,6 +140,11 @@ class Request:
         return self._all_token_ids[self._num_prompt_tokens:]
 
     @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens (the request's own list: read it, never modify it)."""
+        return self._all_token_ids
+
+    @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
 

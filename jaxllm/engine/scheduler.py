@@ -217,9 +217,11 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek_request()
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            tail = self.kv_cache_manager.get_cached_tail(request, num_hit)
+            num_hit += tail.num_tokens if tail is not None else 0
             num_new_tokens = self._num_new_tokens(request, token_budget, num_hit)
             if self.kv_cache_manager.allocate_slots(request, num_new_tokens,
-                                                    computed_blocks) is None:
+                                                    computed_blocks, tail) is None:
                 break
             self.waiting.pop_request()
             self._record_cache_hit(request, num_hit)
@@ -240,7 +242,9 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted} | self._preempted_req_ids,
+            blocks_to_copy=self.kv_cache_manager.blocks_to_copy,
         )
+        self.kv_cache_manager.blocks_to_copy = []
         self._preempted_req_ids = set()
         # Advance now, as if the step already ran: the next schedule() must not hand out the
         # same positions again, even before update_from_output. A request whose known (and
@@ -374,8 +378,11 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         assert request.is_finished(), request
         # A failed step may not have written the K/V its requests' blocks were offered for.
+        # A request that ended normally leaves its partial last block cached as a tail.
         self.kv_cache_manager.free(
-            request, uncache=request.status == RequestStatus.FINISHED_ERROR)
+            request, uncache=request.status == RequestStatus.FINISHED_ERROR,
+            cache_tail=request.status in (RequestStatus.FINISHED_STOPPED,
+                                          RequestStatus.FINISHED_LENGTH_CAPPED))
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -385,10 +392,10 @@ class Scheduler:
         assert output.total_num_scheduled_tokens <= self.max_num_batched_tokens
         assert len(scheduled) <= len(self.running) <= self.max_num_seqs
         block_size = self.kv_cache_manager.block_size
-        for new in output.scheduled_new_reqs:  # a cache hit is whole blocks, never all
-            assert new.num_computed_tokens % block_size == 0, new.req_id
+        for new in output.scheduled_new_reqs:  # a cache hit never covers the last token
             assert new.num_computed_tokens < len(new.prompt_token_ids) + len(
                 new.output_token_ids), new.req_id
+        assert len(output.blocks_to_copy) <= len(output.scheduled_new_reqs)
         for req_id, num_tokens in scheduled.items():
             request = self.requests[req_id]
             assert num_tokens > 0 and request.status == RequestStatus.RUNNING, request

@@ -84,6 +84,12 @@ class ModelRunner:
                          max_logprobs=max_logprobs),
             lambda T, W: (self.state, self.kv_caches, self.token_ids,
                           *abstract_inputs(T, buckets.seqs_for(T), W, rep, cfg.vocab_size)))
+        # One key, (): copies of cached tail blocks, up to one per new request of a step,
+        # padded with null-block self-copies (block 0 onto itself changes nothing).
+        self.copy_fns = CompiledFunctions(
+            jax.jit(_copy_blocks, donate_argnums=0),
+            lambda: (self.kv_caches,
+                     *[jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32, sharding=rep)] * 2))
         # One key, (): the whole-row upload of a slot's token history (see the docstring).
         self.history_fns = CompiledFunctions(
             jax.jit(_set_history_row, donate_argnums=0),
@@ -118,6 +124,7 @@ class ModelRunner:
         """Compile every bucket the engine can launch, so serving never compiles."""
         shapes = [(T, W) for T, _, W in self.buckets.all_shapes()]
         self.history_fns.get(())
+        self.copy_fns.get(())
         # XLA compiles without the GIL: one thread per core roughly divides the wall time.
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             futures = [pool.submit(self.step_fns.get, shape) for shape in shapes]
@@ -135,11 +142,20 @@ class ModelRunner:
         self.input_batch.update_states(so)
         if so.is_empty:
             return None
+        if so.blocks_to_copy:
+            self._copy_blocks(so.blocks_to_copy)
         for new in so.scheduled_new_reqs:
             if new.num_computed_tokens:
                 self._upload_history(self.input_batch.req_id_to_slot[new.req_id])
         host = self.input_batch.prepare(so, self.buckets)
         return PendingStep(host, self.run(host))
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source -> destination ids) in every layer, before the step."""
+        src = np.zeros(self.max_num_seqs, np.int32)
+        dst = np.zeros(self.max_num_seqs, np.int32)
+        src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+        self.kv_caches = self.copy_fns.get(())(self.kv_caches, src, dst)
 
     def _upload_history(self, slot: int) -> None:
         """Copy the host's token row of `slot` into the device token history."""
@@ -186,6 +202,12 @@ class ModelRunner:
         tensors = jax.device_get(out.prompt_logprobs)
         return {req_id: (first, logprobs_lists(tensors, slice(lo, hi), k))
                 for req_id, (lo, hi, first, k) in host.prompt_logprob_spans.items()}
+
+
+def _copy_blocks(kv_caches, src_C: jax.Array, dst_C: jax.Array):
+    """kv_caches with block dst_C[i] := block src_C[i] in every layer (donated: in place).
+    Destinations are distinct fresh blocks, or padding pairs (0, 0)."""
+    return [(k.at[dst_C].set(k[src_C]), v.at[dst_C].set(v[src_C])) for k, v in kv_caches]
 
 
 def _set_history_row(token_ids_RL: jax.Array, slot: jax.Array, row_L: jax.Array) -> jax.Array:

@@ -60,6 +60,11 @@ def ref_cnts(sched, *block_ids) -> list[int]:
     return [blocks[i].ref_cnt for i in block_ids]
 
 
+def tail_ids(sched) -> list[int]:
+    return sorted(b.block_id for b in
+                  sched.kv_cache_manager.block_pool.cached_tail_to_block.values())
+
+
 def cached_ids(sched) -> list[int]:
     return sorted(b.block_id for b in
                   sched.kv_cache_manager.block_pool.cached_block_hash_to_block.values())
@@ -134,6 +139,51 @@ def test_hit_on_full_blocks_only_and_partial_last_block_is_recomputed():
     assert o.num_cached_tokens == 8
     stats = sched.make_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (10 + 11, 8)
+
+
+def test_a_finished_requests_tail_is_copied_into_a_request_that_continues_it():
+    """a (10 tokens, max_tokens=1) ends with blocks [1, 2] full and block 3 holding 2
+    computed tokens: block 3 becomes a cached tail. b = a's tokens + its sample + 1 more:
+    hits 1, 2, gets a fresh block (4) with a copy of 3, and computes its last 2 tokens."""
+    sched = make_scheduler()
+    sched.add_request(make_request("a", P8 + [1, 2], max_tokens=1))
+    step(sched)  # a samples 7 and finishes
+    assert tail_ids(sched) == [3] and cached_ids(sched) == [1, 2]
+    sched.add_request(make_request("b", P8 + [1, 2, 7, 9]))
+    out, outs = step(sched)
+    (new,) = out.scheduled_new_reqs
+    assert (new.block_ids, new.num_computed_tokens) == ([1, 2, 4], 10)
+    assert out.blocks_to_copy == [(3, 4)] and out.num_scheduled_tokens == {"b": 2}
+    assert outs[0].num_cached_tokens == 10
+    assert ref_cnts(sched, 1, 2, 3, 4) == [1, 1, 0, 1]
+    stats = sched.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (10 + 12, 10)
+    # The next schedule copies nothing more.
+    out, _ = step(sched)
+    assert out.blocks_to_copy == []
+
+
+def test_a_tail_hit_is_the_longest_cached_tail_and_never_the_last_token():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", P8 + [1, 2], max_tokens=1))  # tail [1, 2]
+    step(sched)
+    sched.add_request(make_request("b", P8 + [1, 2]))  # the same 10: only [1] may hit
+    out, _ = step(sched)
+    (new,) = out.scheduled_new_reqs
+    # [1] alone is not a cached tail ([1, 2] is): the hit stays at the 8 full-block tokens.
+    assert (new.num_computed_tokens, out.blocks_to_copy) == (8, [])
+    sched.add_request(make_request("c", P8 + [1, 3, 5]))  # diverges inside the tail
+    out, _ = step(sched)
+    (new,) = out.scheduled_new_reqs
+    assert (new.num_computed_tokens, out.blocks_to_copy) == (8, [])
+
+
+def test_an_aborted_request_leaves_no_tail():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", P8 + [1, 2], max_tokens=4))
+    step(sched)
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert tail_ids(sched) == [] and cached_ids(sched) == [1, 2]
 
 
 def test_full_hit_is_capped_so_the_last_token_is_computed():
@@ -256,12 +306,13 @@ def test_eviction_is_lru_and_tail_first():
     step(sched)
     assert free_ids(sched) == [5, 6, 4, 3, 2, 1]
     assert cached_ids(sched) == [1, 2, 3]
-    # An unrelated 13-token prompt needs 4 blocks: 5, 6, then a's tail (4, uncached) and
-    # a's last full block (3), which is evicted; a's prefix (1, 2) survives.
+    assert tail_ids(sched) == [4]  # a's partial block, cached as a tail when a finished
+    # An unrelated 13-token prompt needs 4 blocks: 5, 6, then a's tail (4) and a's last full
+    # block (3), both evicted; a's prefix (1, 2) survives.
     sched.add_request(make_request("b", [200 + i for i in range(13)], max_tokens=1))
     out, _ = step(sched)
     assert out.scheduled_new_reqs[0].block_ids == [5, 6, 4, 3]
-    assert sched.kv_cache_manager.block_pool.blocks[3].block_hash is None  # b's partial
+    assert tail_ids(sched) == [3]  # b's partial block, a tail now that b finished
     assert cached_ids(sched) == [1, 2, 4, 5, 6]  # 4 now caches b's third block
     sched.add_request(make_request("c", P8 + P8[:4] + [9]))
     out, _ = step(sched)

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from jaxllm.engine.block_hash import hash_prefix
+from jaxllm.engine.block_hash import ROOT_HASH, hash_block_tokens, hash_prefix
 from jaxllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
@@ -68,6 +68,12 @@ class FakeRunner:
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def update_states(self, out: SchedulerOutput) -> None:
+        for src, dst in out.blocks_to_copy:  # cached tails, before anything is written
+            for off in range(self.block_size):
+                if (src, off) in self.kv:
+                    self.kv[(dst, off)] = self.kv[(src, off)]
+                else:
+                    self.kv.pop((dst, off), None)
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             for d in (self.tokens, self.block_ids, self.num_computed):
                 d.pop(req_id, None)
@@ -260,8 +266,9 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         if not self.kv.enable_caching:
             assert not pool.cached_block_hash_to_block
         for block in pool.blocks:
-            if block.block_hash is not None:
-                assert pool.cached_block_hash_to_block[block.block_hash] is block
+            if block.block_hash is not None:  # indexed as a full block or as a tail
+                assert block in (pool.cached_block_hash_to_block.get(block.block_hash),
+                                 pool.cached_tail_to_block.get(block.block_hash))
         for block_hash, block in pool.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash
             prefix = self.runner.kv[(block.block_id, bs - 1)]
@@ -269,6 +276,29 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             for off in range(bs):
                 assert self.runner.kv[(block.block_id, off)] == \
                     prefix[:len(prefix) - bs + off + 1]
+
+    @invariant()
+    def cached_tails_match_their_contents(self):
+        if not hasattr(self, "kv"):
+            return
+        pool, bs = self.kv.block_pool, self.block_size
+        if not self.kv.enable_caching:
+            assert not pool.cached_tail_to_block
+        for tail_hash, block in pool.cached_tail_to_block.items():
+            assert block.block_hash == tail_hash and block.ref_cnt == 0
+            # Some m < bs: slots 0..m-1 hold one prefix whose hash chain ends in tail_hash.
+            matches = []
+            for m in range(1, bs):
+                prefix = self.runner.kv.get((block.block_id, m - 1))
+                if prefix is None or len(prefix) % bs != m:
+                    continue
+                k = len(prefix) - m
+                parent = hash_prefix(prefix[:k], bs)[-1] if k else ROOT_HASH
+                if hash_block_tokens(parent, prefix[k:]) == tail_hash and all(
+                        self.runner.kv.get((block.block_id, off)) == prefix[:k + off + 1]
+                        for off in range(m)):
+                    matches.append(m)
+            assert matches, (block, tail_hash)
 
     @invariant()
     def request_hashes_follow_known_tokens(self):
@@ -290,11 +320,13 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             self.blocks_are_owned_exactly()
             self.held_blocks_hold_their_own_prefix()
             self.cached_blocks_match_their_contents()
+            self.cached_tails_match_their_contents()
         else:
             raise AssertionError(f"not drained: {self.sched.requests}")
         assert self.kv.num_free_blocks == self.kv.num_blocks - 1 and self.kv.usage == 0.0
         assert self.sched.reset_prefix_cache()
         assert not self.kv.block_pool.cached_block_hash_to_block
+        assert not self.kv.block_pool.cached_tail_to_block
         for req_id, req in self.requests.items():
             expected = reference(req.prompt_token_ids, req.max_tokens, self.max_model_len)
             assert self.emitted[req_id] == req.output_token_ids

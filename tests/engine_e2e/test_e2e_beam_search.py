@@ -92,15 +92,16 @@ def test_bad_beam_search_params_raise_value_error(tiny_llm):
 
 
 def test_beams_share_blocks_instead_of_reprefilling(make_tiny_llm):
-    """A 4-beam search of 32 tokens on a 200-token prompt: without sharing, every step would
-    prefill every beam (4 x 32 x ~216 tokens); with it each beam step computes at most its
-    last partial block and one token."""
+    """A 4-beam search of 32 tokens on a 200-token prompt computes the prompt once, then one
+    token per beam per step: each beam's full blocks are prefix-cache hits and its partial
+    last block a cached tail copied into a fresh block. Without the cache every step
+    prefills every beam (4 x 31 x ~216 tokens)."""
     llm = make_tiny_llm(max_model_len=512)
     prompt = {"prompt_token_ids": random_prompt(200, 5)}
     before = computed_prompt_tokens(llm)
     llm.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=32, ignore_eos=True))
     computed = computed_prompt_tokens(llm) - before
-    assert computed <= 200 + 4 * 32 * llm.llm_engine.config.block_size
+    assert computed == 200 + 4 * 31
     # ... and the same with the cache off recomputes every beam's whole sequence.
     off = make_tiny_llm(max_model_len=512, enable_prefix_caching=False)
     before = computed_prompt_tokens(off)

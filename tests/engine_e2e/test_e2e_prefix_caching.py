@@ -180,3 +180,17 @@ def test_penalties_read_the_uploaded_history_and_warm_hits_never_compile(make_ti
     assert [o.num_cached_tokens for o in first] == [0, 64]
     assert [o.num_cached_tokens for o in again] == [64, 64]
     assert token_ids(first) == token_ids(again) == expected
+
+
+def test_a_continued_conversation_reuses_the_finished_tail(on_llm, off_llm):
+    """Turn 2 = turn 1's prompt + its output + new tokens (a multi-turn chat): the full
+    blocks hit, the partial block turn 1 left is copied, and only the new tokens compute."""
+    first_prompt = random_tokens(37, 31)
+    (first,) = run(on_llm, [{"prompt_token_ids": first_prompt}], greedy(6))
+    computed = first_prompt + list(first.outputs[0].token_ids[:-1])  # the last is not computed
+    second = [{"prompt_token_ids": first_prompt + list(first.outputs[0].token_ids)
+               + random_tokens(5, 32)}]
+    expected = token_ids(run(off_llm, second, greedy(12)))
+    (out,) = run(on_llm, second, greedy(12))
+    assert token_ids([out]) == expected
+    assert out.num_cached_tokens == len(computed)
