@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxllm.messages import EngineCoreRequest
-from jaxllm.runner.sampling_metadata import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS,
-                                             banned_until_min_tokens, request_seed)
+from jaxllm.sampling_limits import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, banned_until_min_tokens,
+                                    request_seed)
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

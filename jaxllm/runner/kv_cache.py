@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxllm.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
-from jaxllm.engine.kv_cache_manager import check_fits
+from jaxllm.kv_capacity import check_fits
 from jaxllm.models.config import ModelConfig
 
 

@@ -4,7 +4,8 @@ import functools
 
 import pytest
 
-from jaxllm.engine.kv_cache_manager import KVCacheManager, check_fits
+from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.kv_capacity import check_fits
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.engine.request import Request
 
