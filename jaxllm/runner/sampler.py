@@ -87,7 +87,7 @@ def sample(logits_SV: jax.Array, md: SamplingMetadata,
     x_SV = jax.lax.cond(_any_penalties(md.penalties),
                         lambda x: apply_penalties(x, md.penalties.replace(token_ids=history())),
                         lambda x: x, x_SV)
-    greedy_S = jnp.argmax(x_SV, axis=-1).astype(jnp.int32)
+    greedy_S = argmax_first(x_SV)
     is_greedy_S = md.temperature < SAMPLING_EPS
 
     def draw(x_SV):
@@ -115,6 +115,13 @@ def sample(logits_SV: jax.Array, md: SamplingMetadata,
 
 
 sample_jit = jax.jit(sample, static_argnames=("logprobs_mode", "max_num_logprobs"))
+
+
+def argmax_first(x_SV: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the maximum: top_k keeps the lower
+    index of equal values first), as a top-1: XLA:CPU runs argmax's (value, index) reduce
+    unvectorized, 2x slower in the step at [64, 49152] (7 ms against 3.5 ms)."""
+    return jax.lax.top_k(x_SV, 1)[1][:, 0].astype(jnp.int32)
 
 
 def num_topk(max_num_logprobs: int, vocab: int) -> int:
@@ -307,8 +314,7 @@ def _sample_from(x_SV: jax.Array, seeds_S2: jax.Array, steps_S: jax.Array) -> ja
     # Float rounding can land on a zero-probability token (or none): fall back to the top one.
     chosen_ok_S = jnp.take_along_axis(
         probs_SV, jnp.minimum(token_S, V - 1)[:, None], axis=-1)[:, 0] > 0
-    return jnp.where(chosen_ok_S & (token_S < V), token_S,
-                     jnp.argmax(x_SV, axis=-1).astype(jnp.int32))
+    return jnp.where(chosen_ok_S & (token_S < V), token_S, argmax_first(x_SV))
 
 
 _CDF_BLOCK = 256

@@ -453,3 +453,13 @@ def test_sample_is_unchanged_when_no_row_asks():
     out = jax.device_get(jax.jit(sample)(jnp.asarray(logits), md))
     np.testing.assert_allclose(out.logprobs.topk_logprobs[:2],
                                np.sort(log_softmax_numpy(logits))[:2, ::-1][:, :20], atol=1e-5)
+
+
+def test_argmax_first_is_numpys_argmax_with_ties_and_masked_rows():
+    from jaxllm.runner.sampler import argmax_first
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 3, (16, 300)).astype(np.float32)  # many ties per row
+    x[5] = -np.inf  # a fully masked row: index 0, as argmax
+    x[6, 299] = 7.0  # the maximum at the last index
+    assert argmax_first(jnp.asarray(x)).tolist() == np.argmax(x, axis=-1).tolist()
