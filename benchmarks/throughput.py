@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import sys
+import tempfile
 import statistics
 import time
 
@@ -67,6 +70,28 @@ def run_jaxllm(args, prompts, outs, dtype):
     return times, tokens
 
 
+def dequantized_hf_dir(gguf_path: str, out: str) -> str:
+    """An HF directory (config.json + safetensors) of the GGUF's dequantized float32 weights:
+    transformers >= 5 keeps a GGUF's weights packed and computes in float32 with casts, so
+    its bfloat16 configuration needs plain weights (the same values jaxllm runs)."""
+    from load_model import write_hf_dir  # benchmarks/load_model.py
+
+    write_hf_dir(gguf_path, out)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    config.setdefault("architectures", ["LlamaForCausalLM"])
+    config.setdefault("model_type", "llama")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    index_path = os.path.join(out, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index.setdefault("metadata", {})  # transformers >= 5 requires the key
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    return out
+
+
 def run_hf(args, prompts, outs, model_path, dtype_name, batch_size):
     import torch
     import transformers
@@ -78,6 +103,8 @@ def run_hf(args, prompts, outs, model_path, dtype_name, batch_size):
         model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    print(f"  hf {dtype_name} b{batch_size}: weights from "
+          f"{'the packed GGUF' if model_path.endswith('.gguf') else 'a dequantized HF dir'}")
     model.eval()
     pad = model.config.pad_token_id or 0
     times, tokens = [], [None] * len(prompts)
@@ -132,9 +159,13 @@ def main():
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    p.add_argument("--hf-weights", choices=["dequantized", "gguf"], default="dequantized",
+                   help="HF loads a dequantized copy (default; its fastest at bf16) or the "
+                        "GGUF as transformers packs it")
     p.add_argument("--llama-cpp-gguf", default=None,
                    help="GGUF for the llama.cpp peer (default: the model's own GGUF)")
     args = p.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
     from jaxllm.models.resolve import resolve_model
     from jaxllm.tokenizer import get_tokenizer
@@ -146,6 +177,10 @@ def main():
     n_out = sum(outs)
     print(f"workload: {len(prompts)} prompts, input {sum(map(len, prompts))} tokens, output "
           f"{n_out} tokens (seed {args.seed}), greedy, EOS ignored, model {resolved.name}")
+    hf_path = resolved.path
+    if resolved.path.endswith(".gguf") and args.hf_weights == "dequantized" and any(
+            peer.startswith("hf") for peer in args.peers):
+        hf_path = dequantized_hf_dir(resolved.path, tempfile.mkdtemp(prefix="hf_dequantized_"))
     runs = {}
     for peer in args.peers:
         print(f"running {peer} ...", flush=True)
@@ -154,9 +189,9 @@ def main():
         elif peer == "jaxllm-f32":
             runs[peer] = run_jaxllm(args, prompts, outs, "float32")
         elif peer == "hf-f32":
-            runs[peer] = run_hf(args, prompts, outs, resolved.path, "float32", 8)
+            runs[peer] = run_hf(args, prompts, outs, hf_path, "float32", 8)
         elif peer == "hf-bf16":
-            runs[peer] = run_hf(args, prompts, outs, resolved.path, "bfloat16", 64)
+            runs[peer] = run_hf(args, prompts, outs, hf_path, "bfloat16", 64)
         else:
             try:
                 runs[peer] = run_llama_cpp(args, prompts, outs,

@@ -5,7 +5,8 @@ Never loads a model or touches a device beyond asking which platform jax runs on
 
 CPU defaults, chosen for a 2-core machine where each compiled bucket costs seconds:
   max_num_seqs 64, max_num_batched_tokens 512, max_model_len min(model max, 2048),
-  KV cache 1 GiB (CPU_DEFAULT_KV_CACHE_BYTES) unless kv_cache_memory_bytes is given.
+  KV cache 512 MiB (CPU_DEFAULT_KV_CACHE_BYTES; 22k tokens of SmolLM2-135M in bf16) unless
+  kv_cache_memory_bytes is given.
 Accelerator defaults follow vLLM: max_num_seqs 256, max_num_batched_tokens 8192,
   max_model_len = the model's, KV cache = gpu_memory_utilization of device memory.
 """
@@ -19,7 +20,7 @@ from jaxllm.engine.request_queue import SCHEDULING_POLICIES
 from jaxllm.kernels import ATTENTION_BACKENDS
 from jaxllm.sampling_params import LOGPROBS_MODES
 
-CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 29
 CPU_DEFAULT_MAX_MODEL_LEN = 2048
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 

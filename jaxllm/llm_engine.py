@@ -9,6 +9,7 @@ disturbs requests already in flight; `add_requests` admits a whole batch or noth
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Sequence
@@ -43,6 +44,16 @@ def _on_accelerator() -> bool:
     return jax.default_backend() != "cpu"
 
 
+def release_free_heap() -> None:
+    """Hand memory that loading and compiling freed back to the OS: glibc keeps freed heap
+    pages resident, and the KV cache and executables that come next are mapped afresh. A
+    no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, use_tqdm: bool = True):
         cache_dir = compilation_cache_dir(config.compilation_cache_dir)
@@ -57,6 +68,7 @@ class LLMEngine:
             tokenizer=config.tokenizer, use_cache=cache_dir is not None)
         logger.info("loaded %s from %s in %.1f s", resolved.name, resolved.path,
                     time.perf_counter() - t0)
+        release_free_heap()  # the host copies of the weights, before the KV cache arrives
         if config.max_model_len and config.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({config.max_model_len}) is greater than the model's maximum "
@@ -106,6 +118,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             runner.warmup(use_tqdm=use_tqdm)
             self.warmup_seconds = time.perf_counter() - t0
+        release_free_heap()
 
     # The pieces, by their vLLM names.
     @property

@@ -51,6 +51,13 @@ def get_tokenizer(path_or_id: str | os.PathLike, *, gguf_file: str | os.PathLike
     return tokenizer
 
 
+def saved_tokenizer(directory: str) -> transformers.PreTrainedTokenizerFast:
+    """A fast tokenizer jaxllm saved itself (a converted GGUF's copy), loaded directly:
+    AutoTokenizer's path imports torch when it is installed (transformers'
+    configuration_utils), about 300 MiB of memory jaxllm never uses."""
+    return transformers.PreTrainedTokenizerFast.from_pretrained(directory)
+
+
 def tokenizer_from_gguf(gguf_path: str, reader: Any = None) -> transformers.PreTrainedTokenizerFast:
     """Build the fast tokenizer a GGUF file describes (no torch).
 

@@ -12,7 +12,7 @@ from jaxllm.models.gguf import gguf_to_hf_config, load_gguf, open_gguf
 from jaxllm.models.gguf_cache import ConvertedWriter, find_converted
 from jaxllm.models.resolve import ResolvedModel
 from jaxllm.models.weights import load_hf_dir
-from jaxllm.tokenizer import get_tokenizer, tokenizer_from_gguf
+from jaxllm.tokenizer import get_tokenizer, saved_tokenizer, tokenizer_from_gguf
 
 
 def load_checkpoint(resolved: ResolvedModel, dtype, *, sharding=None,
@@ -25,7 +25,8 @@ def load_checkpoint(resolved: ResolvedModel, dtype, *, sharding=None,
     converted = find_converted(resolved.path, dtype) if use_cache else None
     if converted is not None:
         model, cfg, gen = load_hf_dir(converted, dtype, sharding)
-        return model, cfg, gen, get_tokenizer(tokenizer or converted)
+        return model, cfg, gen, (get_tokenizer(tokenizer) if tokenizer
+                                 else saved_tokenizer(converted))
     reader = open_gguf(resolved.path)
     writer = ConvertedWriter(resolved.path, dtype) if use_cache else None
     try:

@@ -1,7 +1,7 @@
 """How many KV blocks fit: the one place that turns bytes into `num_blocks`.
 
 Priority: num_gpu_blocks_override (tests) > kv_cache_memory_bytes > gpu_memory_utilization of
-the accelerator's memory (minus what the weights already hold) > CPU default of 1 GiB.
+the accelerator's memory (minus what the weights already hold) > CPU default of 512 MiB.
 A budget too small for one max_model_len request is refused here, where the bytes are known,
 so the error can say how many bytes one block needs; the count is never negative.
 """

@@ -55,3 +55,24 @@ def test_a_partial_copy_is_not_used(cache):
 def test_no_cache_writes_nothing(cache):
     load_checkpoint(resolve_model(None), jnp.bfloat16, use_cache=False)
     assert not os.path.exists(cache / "models")
+
+
+def test_loading_never_imports_torch(tmp_path):
+    """Cold (GGUF parsed and converted) and warm (the converted copy) loads in a fresh
+    interpreter, with torch installed: neither imports it (transformers' AutoTokenizer
+    would, ~300 MiB of memory jaxllm never uses)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, jax.numpy as jnp\n"
+            "from jaxllm.models.resolve import resolve_model\n"
+            "from jaxllm.models.checkpoint import load_checkpoint\n"
+            "load_checkpoint(resolve_model(None), jnp.bfloat16)\n"
+            "print('torch' in sys.modules)\n")
+    env = {**os.environ, "JAXLLM_CACHE_DIR": str(tmp_path)}
+    for _ in ("cold", "warm"):
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip().splitlines()[-1] == "False"
+    assert os.listdir(tmp_path)  # the first load wrote the converted copy
