@@ -154,3 +154,21 @@ def batches(draw, shape: Shape, kind: str, max_ctx: int | None = None):
         q_lens.append(q_len)
         ctx_lens.append(ctx)
     return Batch(tuple(q_lens), tuple(ctx_lens), draw(st.integers(0, 2 ** 31 - 1)))
+
+
+def check_long_sequence_leaves_short_ones_alone(make_fn) -> None:
+    """A backend's outputs for 4 short sequences are the same whether a 2000-token fifth one
+    is padding (num_seqs = 4) or real and last (num_seqs = 5), and match the oracle.
+    make_fn(shape) -> the backend's function for `run`."""
+    shape = Shape(T=16, S=6, max_blocks=128, Hkv=3, G=3, D=64, dtype="float32")
+    batch = Batch(q_lens=(1, 1, 3, 1, 1), ctx_lens=(99, 16, 40, 0, 1999), seed=7)
+    inputs = make_inputs(shape, batch)
+    fn = make_fn(shape)
+    both = run(fn, inputs)
+    short = run(fn, dict(inputs, num_seqs=np.int32(4)))
+    ref = reference_f64(**inputs, sm_scale=shape.D ** -0.5)
+    np.testing.assert_allclose(both[:6], short[:6], rtol=1e-6, atol=1e-6)
+    assert np.all(short[6:] == 0), "rows past query_start_loc[num_seqs] are padding"
+    tol = TOLERANCE["float32"]
+    np.testing.assert_allclose(both[:7], ref[:7], rtol=tol, atol=tol)
+    assert np.all(both[7:] == 0)

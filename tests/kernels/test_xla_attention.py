@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from jaxllm.kernels import get_attention_fn
 from jaxllm.kernels import xla_attention as xa
-from oracle import TOLERANCE, Batch, Shape, batches, check, make_inputs, reference_f64, run
+from oracle import (Batch, Shape, batches, check, check_long_sequence_leaves_short_ones_alone,
+                    make_inputs, run)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning")
@@ -74,20 +75,7 @@ def test_fixed_batches(batch):
 
 
 def test_long_sequence_leaves_short_ones_alone():
-    # The same arrays twice: with num_seqs = 4 the 2000-token sequence is a padding sequence
-    # (its rows are padding rows); with num_seqs = 5 it is real and last.
-    shape = Shape(T=16, S=6, max_blocks=128, Hkv=3, G=3, D=64, dtype="float32")
-    batch = Batch(q_lens=(1, 1, 3, 1, 1), ctx_lens=(99, 16, 40, 0, 1999), seed=7)
-    inputs = make_inputs(shape, batch)
-    fn = xla_fn(shape)
-    both = run(fn, inputs)
-    short = run(fn, dict(inputs, num_seqs=np.int32(4)))
-    ref = reference_f64(**inputs, sm_scale=shape.D ** -0.5)
-    np.testing.assert_allclose(both[:6], short[:6], rtol=1e-6, atol=1e-6)
-    assert np.all(short[6:] == 0), "rows past query_start_loc[num_seqs] are padding"
-    tol = TOLERANCE["float32"]
-    np.testing.assert_allclose(both[:7], ref[:7], rtol=tol, atol=tol)
-    assert np.all(both[7:] == 0)
+    check_long_sequence_leaves_short_ones_alone(xla_fn)
 
 
 def test_block_table_width_does_not_change_results():
