@@ -90,33 +90,39 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
 
 
 class _Cache:
-    """The paged caches as rows [slots, K, H], and the gather of a chunk of slots."""
+    """The paged caches [B blocks, P, K, H] and the gather of a chunk of their slots.
+
+    Slots are addressed as (block, offset) pairs, never as flat rows of a [B * P, K, H]
+    reshape: when a device holds one KV head (K = 1: MQA, or tensor parallelism with
+    tp = num_kv_heads) XLA:CPU lays such a reshape out differently from the cache and copies
+    the whole cache to convert it, on every call."""
 
     def __init__(self, k_cache, v_cache, block_tables, sm_scale, q_dtype):
-        B, P, K, H = k_cache.shape
+        P = k_cache.shape[1]
         # A uint16 cache holds q_dtype (16-bit float) bits: the engine stores bf16 caches so
         # on CPU, where XLA has no bf16 scatter (models/layers.py kv_storage_dtype).
         self.bits_of = q_dtype if k_cache.dtype == jnp.uint16 else None
-        self.k_rows = k_cache.reshape(B * P, K, H)
-        self.v_rows = v_cache.reshape(B * P, K, H)
+        self.k_cache, self.v_cache = k_cache, v_cache
         self.block_size, self.sm_scale = P, sm_scale
         self.block_tables = block_tables
 
     def slots(self, seq, kpos):
-        """Cache row of key position `kpos` of sequence `seq` (broadcasting int32 arrays);
-        positions past the block table read entry 0 (callers mask them)."""
+        """[..., 2] int32 (block, offset) of key position `kpos` of sequence `seq`
+        (broadcasting int32 arrays); positions past the block table read entry 0 (callers
+        mask them)."""
         W = self.block_tables.shape[1]
         page = kpos // self.block_size
         entry = self.block_tables[seq, jnp.minimum(page, W - 1)]
-        return jnp.where(page < W, entry, 0) * self.block_size + kpos % self.block_size
+        block = jnp.where(page < W, entry, 0)
+        return jnp.stack(jnp.broadcast_arrays(block, kpos % self.block_size), axis=-1)
 
     def gather(self, slot):
-        """K * sm_scale and V at `slot` [..., C] -> two f32 [K, ..., C, H]."""
+        """K * sm_scale and V at `slot` [..., C, 2] -> two f32 [K, ..., C, H]."""
         def rows(slot):
             # Arithmetic roots vectorise the gather loops (see the module notes).
             one = (slot.reshape(-1)[0] >= 0).astype(jnp.float32)
-            k = self._floats(_gather_rows(self.k_rows, slot)) * self.sm_scale
-            v = self._floats(_gather_rows(self.v_rows, slot)) * one
+            k = self._floats(_gather_rows(self.k_cache, slot)) * self.sm_scale
+            v = self._floats(_gather_rows(self.v_cache, slot)) * one
             return k, v
 
         # Always true, but not provably so: keeps a bf16 -> f32 convert inside the branch.
@@ -134,15 +140,16 @@ def _zeros_like_rows(fn):
                                      jax.eval_shape(fn, slot))
 
 
-def _gather_rows(rows_BKH, slot):
-    """rows[slot] laid out [K, *slot.shape, H], with K a gather batching axis."""
-    K, H = rows_BKH.shape[1:]
-    idx = jnp.broadcast_to(slot[None, ..., None], (K, *slot.shape, 1))
-    nd = slot.ndim
+def _gather_rows(cache_BPKH, slot):
+    """cache[block, offset] for each (block, offset) pair of `slot` [..., 2], laid out
+    [K, ..., H], with K a gather batching axis."""
+    K, H = cache_BPKH.shape[2:]
+    idx = jnp.broadcast_to(slot[None], (K, *slot.shape))
+    nd = slot.ndim - 1
     dnums = jax.lax.GatherDimensionNumbers(
-        offset_dims=(nd + 1,), collapsed_slice_dims=(0,), start_index_map=(0,),
-        operand_batching_dims=(1,), start_indices_batching_dims=(0,))
-    return jax.lax.gather(rows_BKH, idx, dnums, slice_sizes=(1, 1, H),
+        offset_dims=(nd + 1,), collapsed_slice_dims=(0, 1), start_index_map=(0, 1),
+        operand_batching_dims=(2,), start_indices_batching_dims=(0,))
+    return jax.lax.gather(cache_BPKH, idx, dnums, slice_sizes=(1, 1, 1, H),
                           mode="promise_in_bounds")
 
 
@@ -174,7 +181,7 @@ def _decode_rows(cache, q_TNH, seq_lens, query_start_loc, ends, q_lens, *, chunk
     """Rows of the sequences with q_lens > 0, each reading its own keys; f32 [T, N, H], zero
     elsewhere."""
     T, N, H = q_TNH.shape
-    K = cache.k_rows.shape[1]
+    K = cache.k_cache.shape[2]
     G, C, R = N // K, chunk, items
     S = q_lens.shape[0]
     t_ids = jnp.arange(T, dtype=jnp.int32)
@@ -206,7 +213,7 @@ def _decode_rows(cache, q_TNH, seq_lens, query_start_loc, ends, q_lens, *, chunk
         slot_RC = cache.slots(u_seq[u_R][:, None], kpos_RC)
         # Invisible slots may hold NaN and NaN * 0 is NaN in the P @ V dot: read the first
         # key of the iteration instead, which is always visible.
-        slot_RC = jnp.where(vis_RC, slot_RC, slot_RC[0, 0])
+        slot_RC = jnp.where(vis_RC[..., None], slot_RC, slot_RC[0, 0])
         return dict(u=u_R, item_ok=item_ok, slot=slot_RC, vis=vis_RC)
 
     def body(it, carry):
@@ -250,7 +257,7 @@ def _prefill_tiles(cache, q_TNH, seq_lens, query_start_loc, q_lens, *, tile, chu
     """Rows of the sequences with q_lens > 0 in tiles of `tile` rows sharing each key read;
     f32 [T, N, H], zero elsewhere."""
     T, N, H = q_TNH.shape
-    K = cache.k_rows.shape[1]
+    K = cache.k_cache.shape[2]
     G, Q, C = N // K, tile, chunk
     M = Q * G
     S = q_lens.shape[0]
@@ -275,7 +282,7 @@ def _prefill_tiles(cache, q_TNH, seq_lens, query_start_loc, q_lens, *, tile, chu
             kpos_C = c * C + jnp.arange(C, dtype=jnp.int32)
             slot_C = cache.slots(s, kpos_C)
             # Keys past the tile's last row: read the chunk's first key (visible) instead.
-            slot_C = jnp.where(kpos_C <= last, slot_C, slot_C[0])
+            slot_C = jnp.where((kpos_C <= last)[:, None], slot_C, slot_C[0])
             k, v = cache.gather(slot_C)  # [K, C, H]
             vis_QC = (kpos_C[None, :] <= (pos0 + qi)[:, None]) & row_ok_Q[:, None]
             vis_MC = jnp.repeat(vis_QC, G, axis=0)

@@ -92,13 +92,14 @@ def write_kv(cache_CPKH, new_TKH, slot_mapping_T):
     """Scatter new K or V rows into their cache slots (in place when the cache is donated).
 
     A uint16 cache holds 16-bit floats as bits (see `kv_storage_dtype`): the new rows are
-    bitcast to it."""
-    C, P, K, H = cache_CPKH.shape
+    bitcast to it. The slot is split into (block, offset) rather than writing a
+    [C * P, K, H] reshape: with one KV head per device (K = 1) XLA:CPU lays that reshape out
+    unlike the cache and copies the whole cache around the write."""
+    P = cache_CPKH.shape[1]
     if cache_CPKH.dtype == jnp.uint16:
         new_TKH = jax.lax.bitcast_convert_type(new_TKH, jnp.uint16)
-    flat = cache_CPKH.reshape(C * P, K, H).at[slot_mapping_T].set(
+    return cache_CPKH.at[slot_mapping_T // P, slot_mapping_T % P].set(
         new_TKH.astype(cache_CPKH.dtype))
-    return flat.reshape(C, P, K, H)
 
 
 def kv_storage_dtype(dtype, attention_backend: str):

@@ -90,3 +90,31 @@ def test_block_table_width_does_not_change_results():
 
 def test_xla_backend_is_this_module():
     assert get_attention_fn("xla") is xa.ragged_paged_attention
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_one_kv_head_write_and_attend_never_copies_the_cache(K):
+    # One KV head per device (MQA, or tensor parallelism with tp = num_kv_heads): a flat
+    # [blocks * block_size, 1, H] view of the cache made XLA:CPU copy the whole cache around
+    # the write and the gathers.
+    from jaxllm.kernels import gpu_compile as gc
+    from jaxllm.models.layers import write_kv
+
+    sds = jax.ShapeDtypeStruct
+    T, S, W, H = 16, 4, 8, 64
+    cache = sds((64, 16, K, H), np.float32)
+
+    def step(k_cache, v_cache, k_new, slot_mapping, q, block_tables, seq_lens, qsl, num_seqs):
+        k_cache = write_kv(k_cache, k_new, slot_mapping)
+        v_cache = write_kv(v_cache, k_new, slot_mapping)
+        out = xa.ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl,
+                                        num_seqs, sm_scale=0.125)
+        return out, k_cache, v_cache
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        cache, cache, sds((T, K, H), np.float32), sds((T,), np.int32),
+        sds((T, 4 * K, H), np.float32), sds((S, W), np.int32), sds((S,), np.int32),
+        sds((S + 1,), np.int32), sds((), np.int32)).compile()
+    result = gc.GpuCompileResult(target="cpu", hlo=compiled.as_text(), ptx={}, kernels=[],
+                                 memory=compiled.memory_analysis())
+    assert gc.full_cache_copies(result, [cache, cache]) == []
