@@ -62,9 +62,9 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, jax.default_backend())
         resolved = resolve_model(config.model or DEFAULT_MODEL, gguf_file=config.gguf_file)
         t0 = time.perf_counter()
-        mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        mesh = make_mesh(config.tensor_parallel_size)
         model, mcfg, gen, self.tokenizer = load_checkpoint(
-            resolved, dtype, sharding=param_sharding(mesh) if mesh else None,
+            resolved, dtype, sharding=param_sharding(mesh),
             tokenizer=config.tokenizer, use_cache=cache_dir is not None)
         logger.info("loaded %s from %s in %.1f s", resolved.name, resolved.path,
                     time.perf_counter() - t0)

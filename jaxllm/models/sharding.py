@@ -47,11 +47,15 @@ def partition_spec(path: tuple, rules: dict[str, str | None] = TP_RULES) -> Part
     return PartitionSpec(*(rules.get(a) if a else None for a in logical_axes(path)))
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh:
-    devices = jax.devices()[:tensor_parallel_size]
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    """A 1-D "tp" mesh over `devices` (default: the first tensor_parallel_size visible ones).
+    The engine always has one, of 1 device without tensor parallelism, so that every array
+    it places lands on its own devices (data-parallel replicas each own a slice)."""
+    pool = jax.devices() if devices is None else list(devices)
+    devices = pool[:tensor_parallel_size]
     if len(devices) < tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but only "
-                         f"{len(jax.devices())} devices are visible")
+                         f"{len(pool)} devices are available")
     # Auto axes: XLA's SPMD partitioner propagates shardings through the model, which never
     # annotates its intermediates (explicit axes would ask every gather for an out_sharding).
     return jax.make_mesh((tensor_parallel_size,), ("tp",), devices=devices,

@@ -57,7 +57,7 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, model, *, num_blocks: int, block_size: int, kv_dtype, buckets: BucketConfig,
                  attention_backend: str, max_model_len: int, max_num_seqs: int,
-                 eos_token_ids: tuple[int, ...], mesh=None,
+                 eos_token_ids: tuple[int, ...], mesh,
                  logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS):
         cfg = model.config
         self.model_config = cfg
@@ -70,12 +70,13 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.attention_backend = attention_backend
         self.graphdef, self.state = nnx.split(model)
-        # Tensor parallelism: caches split over KV heads when they divide evenly; host inputs
-        # and every output the host reads are replicated over the mesh.
-        rep = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+        # `mesh`: this runner's devices (1 without tensor parallelism). Caches split over KV
+        # heads when they divide evenly; host inputs and every output the host reads are
+        # replicated over the mesh.
+        rep = NamedSharding(mesh, PartitionSpec())
         self.replicated = rep
-        self.kv_sharding = (kv_cache_sharding(mesh) if mesh is not None
-                            and cfg.num_key_value_heads % mesh.size == 0 else rep)
+        self.kv_sharding = (kv_cache_sharding(mesh) if cfg.num_key_value_heads % mesh.size == 0
+                            else rep)
         self.reset_device_state()
         self.input_batch = InputBatch(max_num_seqs, max_model_len, buckets.width_buckets[-1],
                                       block_size, eos_token_ids, cfg.vocab_size)
