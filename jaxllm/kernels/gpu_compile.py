@@ -5,7 +5,7 @@ the `<name>.txtpb` files of the directory named by $JAXLLM_GPU_TARGETS add or ov
 targets), building a CUDA device from it, compiling through XLA's real GPU pipeline (Triton
 kernels included) down to PTX and cubin, and reading back what a GPU run would depend on: the
 optimized HLO, the PTX, and per kernel the launch shape, shared memory, registers and spills.
-Also the check that a donated KV cache is updated in place (no full-cache copy). Must never:
+`full_cache_copies` reads a GPU compile with kernels/hlo_text.py's check. Must never:
 run anything on a device, read target files from anywhere but the package and
 $JAXLLM_GPU_TARGETS, or be imported by the serving path (it is a test and tuning tool).
 
@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
+
+from jaxllm.kernels import hlo_text
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -143,11 +144,22 @@ def target_device(target: str):
 
 @functools.cache
 def _device(config_text: str):
+    return _devices(config_text, 1)[0]
+
+
+@functools.cache
+def _devices(config_text: str, count: int) -> tuple:
     from jax.experimental import topologies
     _ensure_cuda_plugin(config_text)
-    topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+    topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
                                         target_config=config_text)
-    return topo.devices[0]
+    return tuple(topo.devices)
+
+
+def target_devices(target: str, count: int) -> tuple:
+    """`count` compile-only CUDA devices of one host (a node of `count` GPUs), e.g. to build
+    the mesh of a tensor-parallel step (models/sharding.py make_mesh(tp, devices=...))."""
+    return _devices(target_info(target).config_text, count)
 
 
 def on_target(specs, target: str):
@@ -238,13 +250,20 @@ def compile_for_target(fn, args, target: str, *, fail_on_spills: bool = True
     args: a pytree of ShapeDtypeStructs (shardings are replaced by the target device).
     Donation and static arguments are whatever `fn`'s own jax.jit says.
     """
-    info = target_info(target)
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
-    specs = on_target(args, target)
+    return compile_lowered(jitted.trace(*on_target(args, target)).lower(), target,
+                           fail_on_spills=fail_on_spills)
+
+
+def compile_lowered(lowered, target: str, *, fail_on_spills: bool = True) -> GpuCompileResult:
+    """Compile an already lowered function for `target` and read back what it holds. Its
+    arguments carry their own shardings: one device of `target_device`, or a mesh of
+    `target_devices` (then the HLO and kernels are those of one device's program)."""
+    info = target_info(target)
     with tempfile.TemporaryDirectory() as dump:
         options = {"xla_dump_to": dump,
                    "xla_gpu_fail_ptx_compilation_on_register_spilling": fail_on_spills}
-        compiled = jitted.trace(*specs).lower().compile(compiler_options=options)
+        compiled = lowered.compile(compiler_options=options)
         ptx_modules = [Path(p).read_text() for p in sorted(glob.glob(f"{dump}/*.ptx"))]
         thunks = "".join(Path(p).read_text()
                          for p in sorted(glob.glob(f"{dump}/*thunk_sequence.txt")))
@@ -295,86 +314,6 @@ def kernel_problems(result: GpuCompileResult, kernel: KernelStats, *,
     return problems
 
 
-# ------------------------------------------------------------ full-cache copy in a model step
-
-_HLO_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64",
-               "int8": "s8", "uint8": "u8", "int16": "s16", "uint16": "u16", "int32": "s32",
-               "float8_e4m3fn": "f8e4m3fn",
-               "float8_e5m2": "f8e5m2"}
-_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*)$")
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-_IN_PLACE_OPS = ("scatter", "dynamic-update-slice")
-
-
-def _arrays(hlo_type: str) -> list[tuple[str, int]]:
-    """(dtype, element count) of each array in an HLO type (an array or a tuple)."""
-    return [(dt, math.prod(int(d) for d in dims.split(",") if d))
-            for dt, dims in _ARRAY.findall(hlo_type)]
-
-
-def _computations(hlo: str) -> dict[str, list[tuple[str, str, str, str]]]:
-    """computation name -> its instructions as (name, type, opcode, rest of line)."""
-    comps: dict[str, list] = {}
-    current = None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%(\S+) .*\{\s*$", line)
-        if head:
-            current = comps.setdefault(("ENTRY " if line.startswith("ENTRY") else "")
-                                       + head.group(1), [])
-        elif line.startswith("}"):
-            current = None
-        elif current is not None and (m := _INSTR.match(line)):
-            current.append(m.groups())
-    return comps
-
-
 def full_cache_copies(result: GpuCompileResult, cache_specs) -> list[str]:
-    """Ways in which a compiled step touches the whole KV cache beyond in-place updates.
-
-    cache_specs: the step's cache arguments (a pytree of arrays / ShapeDtypeStructs), which
-    the step must take donated and return updated. "Cache-sized" means the dtype and element
-    count of one cache array, so reshaped views count too. Returns [] when every cache-sized
-    parameter is aliased to an output (donation took), no instruction copies a cache-sized
-    array, and every fusion that produces a cache-sized array does so through a scatter or
-    dynamic-update-slice (which XLA runs in place); otherwise one message per finding.
-
-    Usage, for a whole model step (the lead's `runner/step.py`):
-
-        step = jax.jit(step_fn, donate_argnames=("kv_caches",))
-        result = compile_for_target(step, example_args, "h100")
-        assert full_cache_copies(result, example_args_kv_caches) == []
-    """
-    leaves = jax.tree.leaves(cache_specs)
-    cache_sized = {(_HLO_DTYPES[np.dtype(x.dtype).name], math.prod(x.shape)) for x in leaves}
-    cache_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
-    comps = _computations(result.hlo)
-    entry = next(instrs for name, instrs in comps.items() if name.startswith("ENTRY "))
-    header = result.hlo.splitlines()[0]
-    alias_text = re.search(r"input_output_alias=\{(.*?)\}, entry", header)
-    aliased = {int(m) for m in re.findall(r"\{[\d,\s]*\}:\s*\((\d+),", alias_text.group(1))
-               } if alias_text else set()
-    problems = []
-    params = [(int(rest.split(")")[0]), typ) for _, typ, op, rest in entry
-              if op == "parameter" and set(_arrays(typ)) <= cache_sized]
-    if len(params) < len(leaves):
-        problems.append(f"found {len(params)} cache-sized parameters for {len(leaves)} caches")
-    for number, typ in params:
-        if number not in aliased:
-            problems.append(f"parameter {number} ({typ.split('{')[0]}) is not aliased to an "
-                            f"output: not donated, so the updated cache is a new buffer")
-    for comp, instrs in comps.items():
-        for name, typ, op, rest in instrs:
-            if not cache_sized & set(_arrays(typ)):
-                continue
-            if op in ("copy", "copy-start"):
-                problems.append(f"full-cache {op} %{name} ({typ.split('{')[0]}) in {comp}")
-            elif op == "fusion":
-                called = re.search(r"calls=%([\w.-]+)", rest).group(1)
-                if not any(o in _IN_PLACE_OPS and cache_sized & set(_arrays(t))
-                           for _, t, o, _ in comps.get(called, [])):
-                    problems.append(f"fusion %{name} writes a cache-sized array with no "
-                                    f"in-place scatter/dynamic-update-slice: a full pass")
-    mem = result.memory
-    if mem is not None and mem.alias_size_in_bytes < cache_bytes:
-        problems.append(f"only {mem.alias_size_in_bytes} B aliased of {cache_bytes} B cache")
-    return problems
+    """kernels/hlo_text.py `full_cache_copies` on a GPU compile."""
+    return hlo_text.full_cache_copies(result.hlo, result.memory, cache_specs)

@@ -97,7 +97,7 @@ def test_one_kv_head_write_and_attend_never_copies_the_cache(K):
     # One KV head per device (MQA, or tensor parallelism with tp = num_kv_heads): a flat
     # [blocks * block_size, 1, H] view of the cache made XLA:CPU copy the whole cache around
     # the write and the gathers.
-    from jaxllm.kernels import gpu_compile as gc
+    from jaxllm.kernels import hlo_text
     from jaxllm.models.layers import write_kv
 
     sds = jax.ShapeDtypeStruct
@@ -115,6 +115,5 @@ def test_one_kv_head_write_and_attend_never_copies_the_cache(K):
         cache, cache, sds((T, K, H), np.float32), sds((T,), np.int32),
         sds((T, 4 * K, H), np.float32), sds((S, W), np.int32), sds((S,), np.int32),
         sds((S + 1,), np.int32), sds((), np.int32)).compile()
-    result = gc.GpuCompileResult(target="cpu", hlo=compiled.as_text(), ptx={}, kernels=[],
-                                 memory=compiled.memory_analysis())
-    assert gc.full_cache_copies(result, [cache, cache]) == []
+    assert hlo_text.full_cache_copies(compiled.as_text(), compiled.memory_analysis(),
+                                      [cache, cache]) == []
