@@ -72,6 +72,9 @@ def full_cache_copies(hlo: str, memory, cache_specs) -> list[str]:
     leaves = jax.tree.leaves(cache_specs)
     shapes = [(np.dtype(x.dtype), _shard_shape(x)) for x in leaves]
     cache_sized = {(_HLO_DTYPES[dt.name], math.prod(shape)) for dt, shape in shapes}
+    # Parameters arrive in their own shape: matched exactly (a weight may have a cache's
+    # element count); inside the program reshaped views are matched by element count.
+    cache_params = {(_HLO_DTYPES[dt.name], ",".join(map(str, shape))) for dt, shape in shapes}
     cache_bytes = sum(math.prod(shape) * dt.itemsize for dt, shape in shapes)
     comps = computations(hlo)
     entry = next(instrs for name, instrs in comps.items() if name.startswith("ENTRY "))
@@ -81,7 +84,7 @@ def full_cache_copies(hlo: str, memory, cache_specs) -> list[str]:
                } if alias_text else set()
     problems = []
     params = [(int(rest.split(")")[0]), typ) for _, typ, op, rest in entry
-              if op == "parameter" and set(arrays(typ)) <= cache_sized]
+              if op == "parameter" and set(_ARRAY.findall(typ)) <= cache_params]
     if len(params) < len(leaves):
         problems.append(f"found {len(params)} cache-sized parameters for {len(leaves)} caches")
     for number, typ in params:
