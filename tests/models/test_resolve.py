@@ -70,6 +70,21 @@ def test_default_resolves_to_the_embedded_gguf():
     assert os.path.getsize(r.path) > 50e6
 
 
+def test_embedded_gguf_standing_in_for_a_named_id_is_logged_once(caplog, tmp_path):
+    from jaxllm.models import resolve
+
+    resolve._warn_embedded_stands_in.cache_clear()
+    with caplog.at_level("WARNING", logger="jaxllm.models.resolve"):
+        resolve_model(None)  # the default, not asked for by name: nothing to say
+        assert caplog.messages == []
+        for _ in range(2):
+            assert resolve_model(DEFAULT_MODEL).path == embedded_default_gguf()
+    assert caplog.messages == [
+        f"model '{DEFAULT_MODEL}' is not in the Hugging Face cache ({tmp_path / 'hub'}); "
+        "using the embedded SmolLM2-135M-Instruct.Q4_1.gguf instead: Q4_1-quantized "
+        "weights, dequantized, not the checkpoint's full-precision ones"]
+
+
 def test_local_directory_and_gguf_file(tmp_path):
     assert resolve_model(str(tmp_path)).kind == "hf_dir"
     gguf = embedded_default_gguf()
