@@ -1,8 +1,9 @@
 """Builds the optional C++ library of attention backend "cpu" (jaxllm/kernels/csrc).
 
 Everything else about the package is in pyproject.toml. The extension is optional: without a
-C++ compiler or jaxlib's FFI headers jaxllm still installs, and the "cpu" backend reports itself
-unavailable (jaxllm/kernels/cpu_attention.py), so the CPU default falls back to "xla".
+C++ compiler or jaxlib's FFI headers jaxllm still installs, the "cpu" backend reports itself
+unavailable (jaxllm/kernels/cpu_attention.py), and `LLM()` warns once that it uses "xla"
+instead, with the reason and the cost (jaxllm/kernels/backends.py).
 
 The library is a plain shared object loaded with ctypes (no Python module init), compiled for
 the building machine's CPU (-march=native): build on the machine that runs it.

@@ -6,7 +6,7 @@ Shapes are SmolLM2-135M's (9 query heads, 3 kv heads, head dim 64, block size 16
 "cpu" and "xla" always get the full block-table width W = 128 (2048 tokens): their cost must
 not depend on it. The reference gets the width the runner's buckets {4, 16, 64, 128} would give
 the batch. A bfloat16 cache is stored as uint16 bits, as the engine stores it on CPU
-(models/layers.py kv_storage_dtype); the reference reads real bf16.
+(kernels/backends.py BitsOnCpu); the reference reads real bf16.
 
 Roofline: the KV bytes of the batch (every sequence's K and V read once) over the read bandwidth
 measured here (a jitted sum over 1 GiB of f32, median of runs). "% roofline" is roofline time

@@ -154,10 +154,8 @@ def sampling_ms(engine, host) -> float:
 
 def attention_ms(engine, host) -> float:
     """Every layer's attention call on this step's metadata (random q), as one jitted call."""
-    from jaxllm.kernels import get_attention_fn
-
     runner, cfg = engine.runner, engine.model_config
-    attn = get_attention_fn(runner.attention_backend)
+    attn = runner.attention_backend.attention_fn()
     T = host.shape[0]
     q = jax.random.normal(jax.random.key(0), (T, cfg.num_attention_heads, cfg.head_dim),
                           runner.kv_dtype)
@@ -257,7 +255,7 @@ def main():
     for (m, k, n), g in peaks.items():
         print(f"machine: {jnp.dtype(dtype).name} GEMM {m}x{k}x{n}: {g:.0f} GFLOP/s")
     peak = max(peaks.values())
-    print(f"engine: dtype {jnp.dtype(dtype).name}, attention {engine.runner.attention_backend}, "
+    print(f"engine: dtype {jnp.dtype(dtype).name}, attention {engine.runner.attention_backend.name}, "
           f"warm-up {engine.warmup_seconds:.1f} s, {engine.runner.num_compiles} compiles\n")
 
     header = ("scenario", "step ms", "schedule", "prepare", "device", "(sampling)", "fetch",

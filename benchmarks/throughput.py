@@ -55,7 +55,7 @@ def run_jaxllm(args, prompts, outs, dtype):
     engine = llm.llm_engine
     print(f"  jaxllm {dtype}: LLM() {time.perf_counter() - t0:.1f} s (warm-up "
           f"{engine.warmup_seconds:.1f} s, {engine.runner.num_compiles} compiles, attention "
-          f"{engine.runner.attention_backend}, dtype {np.dtype(engine.runner.kv_dtype).name})")
+          f"{engine.runner.attention_backend.name}, dtype {np.dtype(engine.runner.kv_dtype).name})")
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in outs]
     times, results = [], None
     for _ in range(args.repeats):

@@ -25,12 +25,12 @@ from jaxllm.engine.processor import FanOut, ProcessedRequest, Processor, PromptI
 from jaxllm.engine.request import RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.stat_logger import LoggingStatLogger
-from jaxllm.kernels import default_attention_backend
+from jaxllm.kernels.backends import select_backend
 from jaxllm.metrics import EngineMetrics
 from jaxllm.models.dtype import resolve_dtype
 from jaxllm.models.checkpoint import load_checkpoint
 from jaxllm.models.resolve import DEFAULT_MODEL, resolve_model
-from jaxllm.models.sharding import make_mesh, param_sharding
+from jaxllm.models.sharding import Placement, make_mesh
 from jaxllm.outputs import RequestOutput
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.kv_cache import determine_num_blocks
@@ -61,13 +61,18 @@ class LLMEngine:
         accel = _on_accelerator()
         dtype = resolve_dtype(config.dtype, jax.default_backend())
         resolved = resolve_model(config.model or DEFAULT_MODEL, gguf_file=config.gguf_file)
+        # Chosen before loading: a backend that cannot run here fails at once.
+        backend = select_backend(config.attention_backend)
         t0 = time.perf_counter()
-        mesh = make_mesh(config.tensor_parallel_size)
+        placement = Placement(make_mesh(config.tensor_parallel_size))
         model, mcfg, gen, self.tokenizer = load_checkpoint(
-            resolved, dtype, sharding=param_sharding(mesh),
+            resolved, dtype, placement=placement,
             tokenizer=config.tokenizer, use_cache=cache_dir is not None)
         logger.info("loaded %s from %s in %.1f s", resolved.name, resolved.path,
                     time.perf_counter() - t0)
+        replication = placement.layout(mcfg).describe_replication()
+        if replication:
+            logger.warning(replication)
         release_free_heap()  # the host copies of the weights, before the KV cache arrives
         if config.max_model_len and config.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(
@@ -87,14 +92,14 @@ class LLMEngine:
                                    extra_eos_ids=extra_eos_ids, engine_seed=config.seed,
                                    scheduling_policy=config.scheduling_policy)
 
-        num_blocks = determine_num_blocks(config, mcfg, dtype)
+        # The loaded model's config: its KV heads are the layout's (replicated when tp > K).
+        num_blocks = determine_num_blocks(config, model.config, dtype,
+                                          tensor_parallel_size=config.tensor_parallel_size)
         kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.max_model_len,
                                           enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(kv_cache_manager, config.max_num_seqs,
                               config.max_num_batched_tokens, config.max_model_len,
                               policy=config.scheduling_policy)
-        backend = config.attention_backend or default_attention_backend(
-            config.tensor_parallel_size)
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.
         buckets = BucketConfig.create(config.max_num_batched_tokens, config.max_num_seqs,
@@ -103,7 +108,8 @@ class LLMEngine:
                              kv_dtype=dtype, buckets=buckets, attention_backend=backend,
                              max_model_len=config.max_model_len,
                              max_num_seqs=config.max_num_seqs,
-                             eos_token_ids=tuple(self.processor.eos_token_ids), mesh=mesh,
+                             eos_token_ids=tuple(self.processor.eos_token_ids),
+                             mesh=placement.mesh,
                              logprobs_mode=config.logprobs_mode,
                              max_logprobs=config.max_logprobs)
         del model

@@ -3,7 +3,7 @@
 Owns the order: a GGUF converted earlier (models/gguf_cache.py) loads like an HF directory,
 in a fraction of the time; a GGUF seen for the first time is parsed once (weights and
 tokenizer share the parse) and converted on the way; an HF directory loads as is. Never
-decides the dtype or the sharding: the engine passes them.
+decides the dtype or the placement: the engine passes them.
 """
 
 from __future__ import annotations
@@ -15,22 +15,22 @@ from jaxllm.models.weights import load_hf_dir
 from jaxllm.tokenizer import get_tokenizer, saved_tokenizer, tokenizer_from_gguf
 
 
-def load_checkpoint(resolved: ResolvedModel, dtype, *, sharding=None,
+def load_checkpoint(resolved: ResolvedModel, dtype, *, placement=None,
                     tokenizer: str | None = None, use_cache: bool = True):
     """-> (model, ModelConfig, generation config dict, tokenizer). `tokenizer` names another
     tokenizer to use; `use_cache` reads and writes converted GGUF copies."""
     if resolved.kind != "gguf":
-        model, cfg, gen = load_hf_dir(resolved.path, dtype, sharding)
+        model, cfg, gen = load_hf_dir(resolved.path, dtype, placement)
         return model, cfg, gen, get_tokenizer(tokenizer or resolved.path)
     converted = find_converted(resolved.path, dtype) if use_cache else None
     if converted is not None:
-        model, cfg, gen = load_hf_dir(converted, dtype, sharding)
+        model, cfg, gen = load_hf_dir(converted, dtype, placement)
         return model, cfg, gen, (get_tokenizer(tokenizer) if tokenizer
                                  else saved_tokenizer(converted))
     reader = open_gguf(resolved.path)
     writer = ConvertedWriter(resolved.path, dtype) if use_cache else None
     try:
-        model, cfg, gen = load_gguf(resolved.path, dtype, sharding, reader=reader,
+        model, cfg, gen = load_gguf(resolved.path, dtype, placement, reader=reader,
                                     tee=writer.tee if writer else None)
         gguf_tokenizer = tokenizer_from_gguf(resolved.path, reader=reader)
         if writer is not None:

@@ -51,6 +51,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # Rows of the embedding and the LM head when tensor parallelism pads the vocabulary to
+    # a multiple of its size (models/tp_layout.py); None: vocab_size. Logits keep vocab_size.
+    padded_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -58,10 +61,17 @@ class ModelConfig:
                      "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size ({self.padded_vocab_size}) must be >= "
+                             f"vocab_size ({self.vocab_size})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.padded_vocab_size or self.vocab_size
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -147,7 +147,7 @@ def iter_gguf_tensors(reader, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
         yield name, w
 
 
-def load_gguf(path: str, dtype, sharding=None, reader=None, tee=None):
+def load_gguf(path: str, dtype, placement=None, reader=None, tee=None):
     """-> (model, ModelConfig, generation_config dict). `tee`: a generator function the
     (hf_name, array) tensors pass through on their way to the model (the converter)."""
     from jaxllm.models.config import ModelConfig
@@ -161,5 +161,5 @@ def load_gguf(path: str, dtype, sharding=None, reader=None, tee=None):
         raise ValueError(f"{path}: {e}") from e
     gen = {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": hf_cfg["eos_token_id"]}
     tensors = iter_gguf_tensors(reader, hf_cfg)
-    model = load_params(cfg, tee(tensors) if tee else tensors, dtype, sharding)
+    model = load_params(cfg, tee(tensors) if tee else tensors, dtype, placement)
     return model, cfg, gen

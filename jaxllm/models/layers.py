@@ -88,35 +88,6 @@ class MLP(nnx.Module):
         return self.down_proj(h_TF)
 
 
-def write_kv(cache_CPKH, new_TKH, slot_mapping_T):
-    """Scatter new K or V rows into their cache slots (in place when the cache is donated).
-
-    A uint16 cache holds 16-bit floats as bits (see `kv_storage_dtype`): the new rows are
-    bitcast to it. The slot is split into (block, offset) rather than writing a
-    [C * P, K, H] reshape: with one KV head per device (K = 1) XLA:CPU lays that reshape out
-    unlike the cache and copies the whole cache around the write."""
-    P = cache_CPKH.shape[1]
-    if cache_CPKH.dtype == jnp.uint16:
-        new_TKH = jax.lax.bitcast_convert_type(new_TKH, jnp.uint16)
-    return cache_CPKH.at[slot_mapping_T // P, slot_mapping_T % P].set(
-        new_TKH.astype(cache_CPKH.dtype))
-
-
-def kv_storage_dtype(dtype, attention_backend: str):
-    """What the KV cache arrays hold for a model computing in `dtype`.
-
-    On CPU ("xla", "cpu") a 16-bit float cache is stored as uint16 bits: XLA:CPU has no
-    bf16/f16 scatter, and rather than fail it converts the whole cache to f32 and back around
-    the write, two full passes over every layer's cache per step (a bitcast of the whole cache
-    is a copy there too). The XLA attention bitcasts the rows it gathers back; the C++ one
-    reads the bits as q's dtype."""
-    dtype = jnp.dtype(dtype)
-    if attention_backend in ("xla", "cpu") and dtype.itemsize == 2 and jnp.issubdtype(
-            dtype, jnp.floating):
-        return jnp.dtype(jnp.uint16)
-    return dtype
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         D, N, K, H = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -135,7 +106,8 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling))
         self.sm_scale = 1.0 / math.sqrt(H)
 
-    def __call__(self, x_TD, kv, md: AttentionMetadata, attn_fn):
+    def __call__(self, x_TD, kv, md: AttentionMetadata, attention):
+        """attention: kernels/backends.py AttentionLayer (writes the new K/V, then attends)."""
         T = x_TD.shape[0]
         q_TNH = self.q_proj(x_TD).reshape(T, self.num_heads, self.head_dim)
         k_TKH = self.k_proj(x_TD).reshape(T, self.num_kv_heads, self.head_dim)
@@ -144,9 +116,5 @@ class Attention(nnx.Module):
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
         q_TNH = apply_rope(q_TNH, md.positions, self.inv_freq)
         k_TKH = apply_rope(k_TKH, md.positions, self.inv_freq)
-        k_cache, v_cache = kv
-        k_cache = write_kv(k_cache, k_TKH, md.slot_mapping)
-        v_cache = write_kv(v_cache, v_TKH, md.slot_mapping)
-        o_TNH = attn_fn(q_TNH, k_cache, v_cache, md.block_tables, md.seq_lens,
-                        md.query_start_loc, md.num_seqs, sm_scale=self.sm_scale)
-        return self.o_proj(o_TNH.reshape(T, -1)), (k_cache, v_cache)
+        o_TNH, kv = attention(q_TNH, k_TKH, v_TKH, kv, md, sm_scale=self.sm_scale)
+        return self.o_proj(o_TNH.reshape(T, -1)), kv

@@ -1,9 +1,10 @@
 """Tensor parallelism through jax sharding: logical axis names per parameter, and a mesh rule.
 
 Owns the explicit partition map (parameter path -> logical axes) and the rule from logical
-axes to mesh axes. The models never mention devices: placing parameters at load time with
-`param_sharding(mesh)` and the KV cache with `kv_cache_sharding(mesh)` is all that tensor
-parallelism needs; XLA's SPMD partitioner inserts the collectives.
+axes to mesh axes, and `Placement`: a mesh with the checkpoint layout it implies
+(models/tp_layout.py), which the loaders take. Dense layers are left to XLA's SPMD
+partitioner; what it cannot see through (attention kernels, the embedding lookup, the LM
+head) runs per shard (kernels/backends.py, models/parallel.py).
 
 Megatron layout on a mesh axis "tp": q/k/v and gate/up split by output columns (heads, mlp),
 o_proj and down_proj by input rows, so each layer needs one all-reduce after attention and
@@ -12,10 +13,15 @@ one after the MLP. The vocabulary is split for the embedding and the LM head.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllm.kernels.backends import TP_AXIS
+from jaxllm.models.config import ModelConfig
+from jaxllm.models.tp_layout import TensorParallelLayout
 
 # (regex on the dotted parameter path, logical axes of the parameter's dims)
 LOGICAL_AXES: list[tuple[str, tuple[str | None, ...]]] = [
@@ -31,7 +37,7 @@ LOGICAL_AXES: list[tuple[str, tuple[str | None, ...]]] = [
 ]
 
 # Logical axis -> mesh axis (None: replicated).
-TP_RULES: dict[str, str | None] = {"vocab": "tp", "heads": "tp", "mlp": "tp",
+TP_RULES: dict[str, str | None] = {"vocab": TP_AXIS, "heads": TP_AXIS, "mlp": TP_AXIS,
                                    "embed": None, "norm": None}
 
 
@@ -58,15 +64,24 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
                          f"{len(pool)} devices are available")
     # Auto axes: XLA's SPMD partitioner propagates shardings through the model, which never
     # annotates its intermediates (explicit axes would ask every gather for an out_sharding).
-    return jax.make_mesh((tensor_parallel_size,), ("tp",), devices=devices,
+    return jax.make_mesh((tensor_parallel_size,), (TP_AXIS,), devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def param_sharding(mesh: Mesh):
-    """For `load_params(..., sharding=...)`: parameter path -> NamedSharding."""
-    return lambda path: NamedSharding(mesh, partition_spec(path))
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a checkpoint's parameters go (`load_params(..., placement=...)`)."""
+
+    mesh: Mesh
+
+    def layout(self, cfg: ModelConfig) -> TensorParallelLayout:
+        return TensorParallelLayout.create(cfg, self.mesh.size)
+
+    def sharding(self, path: tuple) -> NamedSharding:
+        return NamedSharding(self.mesh, partition_spec(path))
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    """KV caches [num_blocks, block_size, K, H] split over kv heads."""
-    return NamedSharding(mesh, PartitionSpec(None, None, "tp", None))
+    """KV caches [num_blocks, block_size, K, H] split over KV heads (the layout makes K a
+    multiple of the mesh size)."""
+    return NamedSharding(mesh, PartitionSpec(None, None, TP_AXIS, None))

@@ -50,10 +50,31 @@ def abstract_model(cfg: ModelConfig, dtype):
     return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
+def abstract_model_state(cfg: ModelConfig, dtype, placement=None):
+    """(graphdef, state) of the model as `load_params` would build it with `placement`, its
+    leaves ShapeDtypeStructs carrying their shardings: what compiling a step for a layout
+    needs, with nothing allocated (tests, benchmarks/tp_plan.py)."""
+    if placement is not None:
+        cfg = placement.layout(cfg).model_config
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    flat = nnx.to_flat_state(state)
+    for path, var in flat:
+        value = var.get_value()
+        var.set_value(jax.ShapeDtypeStruct(
+            value.shape, value.dtype,
+            sharding=placement.sharding(path) if placement is not None else None))
+    return graphdef, nnx.from_flat_state(flat)
+
+
 def load_params(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype,
-                sharding=None):
+                placement=None):
     """Build the model from (hf_name, array) pairs. Raises naming every missing, unexpected
-    or misshapen tensor. `sharding(path) -> jax.sharding.Sharding | None` places each one."""
+    or misshapen tensor. `placement` (models/sharding.py Placement): the model is built in
+    its tensor-parallel layout (the checkpoint tensors rewritten to it) and each parameter
+    placed on its mesh; the model's config is then the layout's."""
+    if placement is not None:
+        layout = placement.layout(cfg)
+        cfg, tensors = layout.model_config, layout.adapt(tensors)
     graphdef, state = nnx.split(abstract_model(cfg, dtype))
     flat = dict(nnx.to_flat_state(state))
     by_name = {hf_name(path): path for path in flat}
@@ -72,9 +93,8 @@ def load_params(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dty
                               f" if stored [out, in])")
             continue
         arr = np.asarray(value, dtype=want.dtype)
-        placement = sharding(path) if sharding is not None else None
-        flat[path].set_value(jax.device_put(arr, placement) if placement is not None
-                             else jnp.asarray(arr))
+        flat[path].set_value(jax.device_put(arr, placement.sharding(path))
+                             if placement is not None else jnp.asarray(arr))
         seen.add(name)
     missing = sorted(set(by_name) - seen)
     if missing or unexpected or bad_shapes:
@@ -130,7 +150,7 @@ def iter_hf_dir_tensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
         yield from iter_tensors(path)
 
 
-def load_hf_dir(model_dir: str, dtype, sharding=None):
+def load_hf_dir(model_dir: str, dtype, placement=None):
     """-> (model, ModelConfig, generation_config dict)."""
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
@@ -145,5 +165,5 @@ def load_hf_dir(model_dir: str, dtype, sharding=None):
         raise ValueError(f"{cfg_path}: {e}") from e
     gen_path = os.path.join(model_dir, "generation_config.json")
     gen = read_json(gen_path) if os.path.exists(gen_path) else {}
-    model = load_params(cfg, iter_hf_dir_tensors(model_dir), dtype, sharding)
+    model = load_params(cfg, iter_hf_dir_tensors(model_dir), dtype, placement)
     return model, cfg, gen

@@ -33,10 +33,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from jaxllm.kernels.backends import AttentionBackend, AttentionLayer
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from jaxllm.models.base import AttentionMetadata
-from jaxllm.models.layers import kv_storage_dtype
 from jaxllm.models.llama import init_kv_caches
+from jaxllm.models.parallel import ParallelOps
 from jaxllm.models.sharding import kv_cache_sharding
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.input_batch import HostStep, InputBatch
@@ -56,7 +57,7 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model, *, num_blocks: int, block_size: int, kv_dtype, buckets: BucketConfig,
-                 attention_backend: str, max_model_len: int, max_num_seqs: int,
+                 attention_backend: AttentionBackend, max_model_len: int, max_num_seqs: int,
                  eos_token_ids: tuple[int, ...], mesh,
                  logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS):
         cfg = model.config
@@ -70,19 +71,18 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.attention_backend = attention_backend
         self.graphdef, self.state = nnx.split(model)
-        # `mesh`: this runner's devices (1 without tensor parallelism). Caches split over KV
-        # heads when they divide evenly; host inputs and every output the host reads are
-        # replicated over the mesh.
+        # `mesh`: this runner's devices (1 without tensor parallelism). Caches are split over
+        # KV heads (the model's layout makes them a multiple of the mesh size); host inputs
+        # and every output the host reads are replicated over the mesh.
         rep = NamedSharding(mesh, PartitionSpec())
         self.replicated = rep
-        self.kv_sharding = (kv_cache_sharding(mesh) if cfg.num_key_value_heads % mesh.size == 0
-                            else rep)
+        self.kv_sharding = kv_cache_sharding(mesh)
         self.reset_device_state()
         self.input_batch = InputBatch(max_num_seqs, max_model_len, buckets.width_buckets[-1],
                                       block_size, eos_token_ids, cfg.vocab_size)
         self.step_fns = CompiledFunctions(
-            make_step_fn(self.graphdef, attention_backend, rep, logprobs_mode=logprobs_mode,
-                         max_logprobs=max_logprobs),
+            make_step_fn(self.graphdef, ParallelOps(AttentionLayer(attention_backend, mesh)),
+                         logprobs_mode=logprobs_mode, max_logprobs=max_logprobs),
             lambda T, W: (self.state, self.kv_caches, self.token_ids,
                           *abstract_inputs(T, buckets.seqs_for(T), W, rep, cfg.vocab_size)))
         # One key, (): copies of cached tail blocks, up to one per new request of a step,
@@ -101,7 +101,7 @@ class ModelRunner:
         """Fresh (zero) KV cache and token history: at start-up, and after a failed step
         consumed the donated ones (every request then recomputes)."""
         self.kv_caches = init_kv_caches(self.model_config, self.num_blocks, self.block_size,
-                                        kv_storage_dtype(self.kv_dtype, self.attention_backend),
+                                        self.attention_backend.kv_storage_dtype(self.kv_dtype),
                                         self.kv_sharding)
         self.token_ids = jnp.zeros((self.max_num_seqs, self.max_model_len), jnp.int32,
                                    device=self.replicated)

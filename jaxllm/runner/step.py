@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.models.base import AttentionMetadata
+from jaxllm.models.parallel import ParallelOps
 from jaxllm.runner.sampler import (LogprobsTensors, compute_prompt_logprobs, num_topk, sample,
                                    zero_logprobs)
 from jaxllm.runner.sampling_metadata import SamplingMetadata, dummy_sampling_metadata
@@ -54,14 +55,11 @@ class StepOutput:
     prompt_logprobs: LogprobsTensors  # [T] rows; zeros unless some row asked
 
 
-def make_step_fn(graphdef, attention_backend: str, replicated=None, *,
-                 logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS):
-    """`replicated`: with tensor parallelism, a replicated NamedSharding on the mesh; logits
-    and hidden states are gathered to it so sampling sees whole rows. logprobs_mode and
-    max_logprobs (the top-k width of every logprobs output) are engine statics."""
-
-    def constrain(x):
-        return x if replicated is None else jax.lax.with_sharding_constraint(x, replicated)
+def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logprobs",
+                 max_logprobs: int = MAX_LOGPROBS):
+    """`ops`: what runs per shard (models/parallel.py); the logits it returns are whole rows
+    on every device, so sampling needs no collective. logprobs_mode and max_logprobs (the
+    top-k width of every logprobs output) are engine statics."""
 
     def step(state, kv_caches, token_ids_RL, md: AttentionMetadata, bm: BatchMetadata,
              smd: SamplingMetadata):
@@ -70,10 +68,8 @@ def make_step_fn(graphdef, attention_backend: str, replicated=None, *,
         known_T = token_ids_RL.at[bm.slot_T, md.positions].get(mode="fill", fill_value=0)
         input_ids_T = jnp.where(bm.from_device_T, known_T, md.input_ids)
         token_ids_RL = token_ids_RL.at[bm.slot_T, md.positions].set(input_ids_T, mode="drop")
-        hidden_TD, kv_caches = model(md.replace(input_ids=input_ids_T), kv_caches,
-                                     attention_backend)
-        hidden_TD = constrain(hidden_TD)
-        logits_SV = constrain(model.compute_logits(hidden_TD[bm.logits_indices_S]))  # f32
+        hidden_TD, kv_caches = model(md.replace(input_ids=input_ids_T), kv_caches, ops)
+        logits_SV = model.compute_logits(hidden_TD[bm.logits_indices_S], ops)  # f32
 
         k = num_topk(max_logprobs, logits_SV.shape[-1])
         out = sample(logits_SV, smd,
@@ -85,7 +81,7 @@ def make_step_fn(graphdef, attention_backend: str, replicated=None, *,
                                                                       mode="drop")
 
         def prompt_logprobs():
-            logits_TV = constrain(model.compute_logits(hidden_TD))
+            logits_TV = model.compute_logits(hidden_TD, ops)
             return compute_prompt_logprobs(logits_TV, bm.prompt_targets_T, k)
 
         prompt = jax.lax.cond(jnp.any(bm.wants_prompt_logprobs_T), prompt_logprobs,

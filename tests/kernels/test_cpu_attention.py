@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.kernels import cpu_attention, default_attention_backend, get_attention_fn
+from jaxllm.kernels import backends, cpu_attention
 from jaxllm.models.config import ModelConfig
-from jaxllm.models.layers import kv_storage_dtype
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.models.parallel import ParallelOps
 from jaxllm.runner.step import abstract_inputs, make_step_fn
 from engine_e2e.tiny_model import build_tiny_llama_dir
 from oracle import (Batch, Shape, batches, check, check_long_sequence_leaves_short_ones_alone,
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 @functools.cache
 def cpu_fn(shape: Shape, bits: bool):
     """The jitted backend; `bits`: hand it 16-bit caches as uint16 (the engine's storage)."""
-    attn = get_attention_fn("cpu")  # raises (the test fails) if the library is missing
+    attn = backends.get_backend("cpu").attention_fn()
 
     def fn(q, k_cache, v_cache, *meta):
         if bits:
@@ -181,7 +181,7 @@ def test_bad_block_ids_raise_instead_of_reading_wild_memory():
 
 
 def test_dtype_mismatch_is_a_value_error():
-    attn = get_attention_fn("cpu")
+    attn = backends.get_backend("cpu").attention_fn()
     q = jnp.zeros((4, 2, 64), jnp.float32)
     cache = jnp.zeros((3, 16, 1, 64), jnp.uint16)
     meta = (jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(3, jnp.int32),
@@ -213,7 +213,7 @@ def test_greedy_run_matches_xla(tiny_dir, dtype):
                   dtype=dtype)
         if backend == "cpu":
             cache_dtype = llm.llm_engine.runner.kv_caches[0][0].dtype
-            assert cache_dtype == kv_storage_dtype(jnp.dtype(dtype), "cpu")
+            assert cache_dtype == jnp.uint16  # bf16 bits: XLA:CPU has no bf16 scatter
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs[backend] = [o.outputs[0].token_ids for o in outs]
     # The 40-token prompt is chunked over two steps (budget 32): a chunk over a cached prefix.
@@ -226,9 +226,9 @@ def test_whole_step_calls_the_kernel():
                                           max_position_embeddings=1024, **TINY))
     model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    cache = jax.ShapeDtypeStruct((64, 16, 2, 64), kv_storage_dtype(jnp.bfloat16, "cpu"))
+    cache = jax.ShapeDtypeStruct((64, 16, 2, 64), jnp.uint16)
     token_history = jax.ShapeDtypeStruct((8, 256), jnp.int32)
-    step = make_step_fn(graphdef, "cpu")
+    step = make_step_fn(graphdef, ParallelOps.single_device("cpu"))
     text = step.lower(state, [(cache, cache)] * 2, token_history,
                       *abstract_inputs(16, 4, 16)).as_text()
     assert text.count(cpu_attention.TARGET) == cfg.num_hidden_layers
@@ -240,8 +240,10 @@ def test_whole_step_calls_the_kernel():
 def no_library(monkeypatch):
     monkeypatch.setattr(cpu_attention, "library_path", lambda: None)
     cpu_attention.availability.cache_clear()
+    backends._warn_fallback.cache_clear()
     yield
     cpu_attention.availability.cache_clear()
+    backends._warn_fallback.cache_clear()
 
 
 def test_library_is_built_and_loads():
@@ -250,26 +252,36 @@ def test_library_is_built_and_loads():
     assert cpu_attention.num_threads() >= 1
 
 
-def test_missing_library_falls_back_to_xla(no_library):
+def test_missing_library_falls_back_to_xla_and_says_so_once(no_library):
     assert not cpu_attention.availability()
     assert "not built" in cpu_attention.availability().reason
-    assert default_attention_backend() == "xla"
-    with pytest.raises(RuntimeError, match='"cpu" is unavailable: .*not built'):
-        get_attention_fn("cpu")
+    with pytest.warns(RuntimeWarning, match=r'"cpu" is unavailable \(the library .*not '
+                                            r'built.*\); using "xla" instead, which is slower: '
+                                            r'attention in "xla" took 2.2x-10x') as record:
+        assert backends.select_backend(None, "cpu").name == "xla"
+        assert backends.select_backend(None, "cpu").name == "xla"
+    assert len(record) == 1
+    with pytest.raises(ValueError, match='attention_backend="cpu" cannot run on platform '
+                                         '"cpu": the library .*not built'):
+        backends.select_backend("cpu", "cpu")
 
 
-def test_broken_library_falls_back_to_xla(monkeypatch, tmp_path):
+def test_broken_library_falls_back_to_xla(no_library, monkeypatch, tmp_path):
     broken = tmp_path / "_cpu_attention.so"
     broken.write_bytes(b"not a shared object")
     monkeypatch.setattr(cpu_attention, "library_path", lambda: str(broken))
-    cpu_attention.availability.cache_clear()
-    try:
-        assert "failed to load" in cpu_attention.availability().reason
-        assert default_attention_backend() == "xla"
-    finally:
-        cpu_attention.availability.cache_clear()
+    assert "failed to load" in cpu_attention.availability().reason
+    with pytest.warns(RuntimeWarning, match="failed to load"):
+        assert backends.select_backend(None, "cpu").name == "xla"
 
 
-def test_default_backend():
-    assert default_attention_backend() == "cpu"
-    assert default_attention_backend(tensor_parallel_size=2) == "xla"
+def test_llm_warns_when_the_library_is_missing(no_library, tiny_dir):
+    with pytest.warns(RuntimeWarning, match='"cpu" is unavailable'):
+        llm = LLM(tiny_dir, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64,
+                  enforce_eager=True, use_tqdm_on_load=False)
+    assert llm.llm_engine.runner.attention_backend.name == "xla"
+
+
+def test_default_backend_is_cpu_with_or_without_tensor_parallelism():
+    # Tensor parallelism runs every backend per shard (kernels/backends.py), "cpu" included.
+    assert backends.select_backend(None, "cpu").name == "cpu"

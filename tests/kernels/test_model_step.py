@@ -20,6 +20,7 @@ from jaxllm.kernels import paged_attention as pa
 from jaxllm.kernels import tuning
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.models.parallel import ParallelOps
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.step import abstract_inputs, make_step_fn
 from engine_e2e.tiny_model import build_tiny_llama_dir  # noqa: E402
@@ -64,8 +65,8 @@ def _step_specs(cfg: ModelConfig, T, S, W, num_blocks, dtype):
     # [slots, max_model_len]: more slots than the bucket's S, as when a step runs fewer
     # sequences than max_num_seqs (then a row gather is told apart from a full pass).
     token_history = jax.ShapeDtypeStruct((S + 8, W * 16), jnp.int32)
-    return make_step_fn(graphdef, "pallas"), (state, caches, token_history,
-                                              *abstract_inputs(T, S, W))
+    return make_step_fn(graphdef, ParallelOps.single_device("pallas")), (
+        state, caches, token_history, *abstract_inputs(T, S, W))
 
 
 ENGINE_BUCKETS = BucketConfig.create(max_num_batched_tokens=256, max_num_seqs=32,

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxllm.kernels import get_attention_fn
+from jaxllm.kernels import backends
 from jaxllm.kernels import xla_attention as xa
 from oracle import (Batch, Shape, batches, check, check_long_sequence_leaves_short_ones_alone,
                     make_inputs, run)
@@ -89,7 +89,7 @@ def test_block_table_width_does_not_change_results():
 
 
 def test_xla_backend_is_this_module():
-    assert get_attention_fn("xla") is xa.ragged_paged_attention
+    assert backends.get_backend("xla").attention_fn() is xa.ragged_paged_attention
 
 
 @pytest.mark.parametrize("K", [1, 2])
@@ -98,7 +98,7 @@ def test_one_kv_head_write_and_attend_never_copies_the_cache(K):
     # [blocks * block_size, 1, H] view of the cache made XLA:CPU copy the whole cache around
     # the write and the gathers.
     from jaxllm.kernels import hlo_text
-    from jaxllm.models.layers import write_kv
+    from jaxllm.kernels.backends import write_kv
 
     sds = jax.ShapeDtypeStruct
     T, S, W, H = 16, 4, 8, 64

@@ -30,6 +30,7 @@ from hf_random import tiny_hf_model  # noqa: F401  (re-exported for the model te
 from jaxllm.messages import NewRequestData, SchedulerOutput
 from jaxllm.models.base import AttentionMetadata, KVCache
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.parallel import ParallelOps
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.sampling_params import SamplingParams
@@ -117,8 +118,9 @@ def jit_step(model, attention_backend: str = "xla"):
     @functools.partial(jax.jit, donate_argnames=("kv_caches",))
     def step(state, md, kv_caches):
         m = nnx.merge(graphdef, state)
-        hidden_TD, kv_caches = m(md, kv_caches, attention_backend)
-        return m.compute_logits(hidden_TD), kv_caches
+        ops = ParallelOps.single_device(attention_backend)
+        hidden_TD, kv_caches = m(md, kv_caches, ops)
+        return m.compute_logits(hidden_TD, ops), kv_caches
 
     return lambda md, kv_caches: step(state, md, kv_caches=kv_caches)
 

@@ -48,14 +48,14 @@ _SCRIPT = textwrap.dedent("""
     sys.path[:0] = [{helpers!r}, os.path.dirname({helpers!r})]
     from helpers import tiny_hf_model, hf_numpy_state, prefill_logits
     from jaxllm.models.config import ModelConfig
-    from jaxllm.models.sharding import make_mesh, param_sharding
+    from jaxllm.models.sharding import Placement, make_mesh
     from jaxllm.models.weights import load_params
     assert len(jax.devices()) == 2, jax.devices()
     hf = tiny_hf_model("Qwen2Config", "Qwen2ForCausalLM", 0, **{cfg!r})
     cfg = ModelConfig.from_hf_config(hf.config.to_dict())
     state = hf_numpy_state(hf)
     plain = load_params(cfg, state.items(), jnp.float32)
-    sharded = load_params(cfg, state.items(), jnp.float32, param_sharding(make_mesh(2)))
+    sharded = load_params(cfg, state.items(), jnp.float32, Placement(make_mesh(2)))
     q = sharded.model.layers[0].self_attn.q_proj.kernel[...]
     assert len(q.sharding.device_set) == 2 and q.addressable_shards[0].data.shape == (64, 32)
     ids = [3, 17, 5, 99, 42, 7, 8, 64, 1]

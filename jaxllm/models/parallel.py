@@ -1,0 +1,76 @@
+"""What a model step runs per shard: attention, the embedding lookup and the LM head.
+
+Owns: `ParallelOps`, the one object a model's forward receives for everything that must not
+be left to XLA's SPMD partitioner. The partitioner handles the dense layers well (Megatron
+layout, models/sharding.py: one all-reduce after attention, one after the MLP), but it
+cannot see into an attention kernel (kernels/backends.py runs those per shard), and for a
+lookup into a vocabulary-split table it gathered the whole table onto every device. Here:
+
+    embed:   device d holds rows [d*V/tp, (d+1)*V/tp) of the table; it looks up the ids in
+             its range, zeros for the rest, and one all-reduce [T, D] sums the devices.
+    logits:  hidden [S, D] (whole) @ its columns of the LM head -> [S, V/tp] on each
+             device; one all-gather of those activations gives the sampler whole rows
+             [S, V] (padded vocab columns dropped).
+
+With a mesh of one device (or none) each op is the plain unsharded one. Never holds state
+and never decides a layout (models/tp_layout.py does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.kernels.backends import TP_AXIS, AttentionLayer, get_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelOps:
+    attention: AttentionLayer
+
+    @classmethod
+    def single_device(cls, backend: str = "xla") -> "ParallelOps":
+        """No mesh: the model as written, for tools and tests."""
+        return cls(AttentionLayer(get_backend(backend)))
+
+    @property
+    def _mesh(self):
+        mesh = self.attention.mesh
+        return mesh if mesh is not None and mesh.size > 1 else None
+
+    def embed(self, table_VD, ids_T):
+        """Rows of `table_VD` [V, D] at ids_T [T] -> [T, D] in the table's dtype."""
+        if self._mesh is None:
+            return jnp.take(table_VD, ids_T, axis=0)
+
+        def lookup(table_vD, ids_T):
+            rows = table_vD.shape[0]
+            local_T = ids_T - jax.lax.axis_index(TP_AXIS) * rows
+            mine_T = (local_T >= 0) & (local_T < rows)
+            x_TD = jnp.take(table_vD, jnp.clip(local_T, 0, rows - 1), axis=0)
+            return jax.lax.psum(jnp.where(mine_T[:, None], x_TD, 0), TP_AXIS)
+
+        return jax.shard_map(lookup, mesh=self._mesh, in_specs=(P(TP_AXIS, None), P()),
+                             out_specs=P())(table_VD, ids_T)
+
+    def logits(self, hidden_SD, w, *, spec: str, vocab_size: int):
+        """hidden [S, D] against the LM head `w` (einsum spec "sd,vd->sv" for an embedding
+        [V, D], "sd,dv->sv" for a kernel [D, V]) -> float32 [S, vocab_size], whole rows.
+        The matmul runs in the weights' dtype with f32 accumulation."""
+        def local(h_SD, w):
+            return jnp.einsum(spec, h_SD, w, preferred_element_type=jnp.float32)
+
+        if self._mesh is None:
+            return local(hidden_SD, w)[:, :vocab_size]
+        vocab_axis = spec.split("->")[0].split(",")[1].index("v")
+        w_spec = P(*(TP_AXIS if i == vocab_axis else None for i in range(2)))
+
+        def gathered(h_SD, w):
+            return jax.lax.all_gather(local(h_SD, w), TP_AXIS, axis=1, tiled=True)
+
+        out = jax.shard_map(gathered, mesh=self._mesh, in_specs=(P(), w_spec),
+                            out_specs=P(), check_vma=False)(hidden_SD, w)
+        return out[:, :vocab_size]
