@@ -83,9 +83,10 @@ class MLP(nnx.Module):
         self.up_proj = _linear(D, F, False, dtype, rngs)
         self.down_proj = _linear(F, D, False, dtype, rngs)
 
-    def __call__(self, x_TD):
+    def __call__(self, x_TD, ops):
+        """ops: models/parallel.py ParallelOps (down_proj's input is split over devices)."""
         h_TF = jax.nn.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD)
-        return self.down_proj(h_TF)
+        return ops.row_parallel(self.down_proj, h_TF)
 
 
 class Attention(nnx.Module):
@@ -106,8 +107,9 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling))
         self.sm_scale = 1.0 / math.sqrt(H)
 
-    def __call__(self, x_TD, kv, md: AttentionMetadata, attention):
-        """attention: kernels/backends.py AttentionLayer (writes the new K/V, then attends)."""
+    def __call__(self, x_TD, kv, md: AttentionMetadata, ops):
+        """ops: models/parallel.py ParallelOps: its attention writes the new K/V, then
+        attends; o_proj's input is split over devices."""
         T = x_TD.shape[0]
         q_TNH = self.q_proj(x_TD).reshape(T, self.num_heads, self.head_dim)
         k_TKH = self.k_proj(x_TD).reshape(T, self.num_kv_heads, self.head_dim)
@@ -116,5 +118,5 @@ class Attention(nnx.Module):
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
         q_TNH = apply_rope(q_TNH, md.positions, self.inv_freq)
         k_TKH = apply_rope(k_TKH, md.positions, self.inv_freq)
-        o_TNH, kv = attention(q_TNH, k_TKH, v_TKH, kv, md, sm_scale=self.sm_scale)
-        return self.o_proj(o_TNH.reshape(T, -1)), kv
+        o_TNH, kv = ops.attention(q_TNH, k_TKH, v_TKH, kv, md, sm_scale=self.sm_scale)
+        return ops.row_parallel(self.o_proj, o_TNH.reshape(T, -1)), kv

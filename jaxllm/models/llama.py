@@ -25,10 +25,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_TD, kv, md, attention):
-        h_TD, kv = self.self_attn(self.input_layernorm(x_TD), kv, md, attention)
+    def __call__(self, x_TD, kv, md, ops):
+        h_TD, kv = self.self_attn(self.input_layernorm(x_TD), kv, md, ops)
         x_TD = x_TD + h_TD
-        x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+        x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD), ops)
         return x_TD, kv
 
 
@@ -44,7 +44,7 @@ class LlamaModel(nnx.Module):
         x_TD = ops.embed(self.embed_tokens.embedding[...], md.input_ids)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
-            x_TD, kv = layer(x_TD, kv, md, ops.attention)
+            x_TD, kv = layer(x_TD, kv, md, ops)
             new_caches.append(kv)
         return self.norm(x_TD), new_caches
 

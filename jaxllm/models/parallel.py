@@ -1,4 +1,5 @@
-"""What a model step runs per shard: attention, the embedding lookup and the LM head.
+"""What a model step runs per shard: attention, the embedding lookup, the LM head, and the
+matmuls whose input is split over devices.
 
 Owns: `ParallelOps`, the one object a model's forward receives for everything that must not
 be left to XLA's SPMD partitioner. The partitioner handles the dense layers well (Megatron
@@ -11,6 +12,11 @@ lookup into a vocabulary-split table it gathered the whole table onto every devi
     logits:  hidden [S, D] (whole) @ its columns of the LM head -> [S, V/tp] on each
              device; one all-gather of those activations gives the sampler whole rows
              [S, V] (padded vocab columns dropped).
+    row-parallel matmuls (o_proj, down_proj: input split over devices): each device
+             multiplies its columns of x by its rows of the kernel (f32 accumulation),
+             rounds to the compute dtype, and one all-reduce sums in that dtype, as vLLM's
+             RowParallelLinear does. Left to the partitioner, the sum ran over the f32
+             partial results: twice the bytes (measured, benchmarks/tp_plan.py).
 
 With a mesh of one device (or none) each op is the plain unsharded one. Never holds state
 and never decides a layout (models/tp_layout.py does).
@@ -74,3 +80,21 @@ class ParallelOps:
         out = jax.shard_map(gathered, mesh=self._mesh, in_specs=(P(), w_spec),
                             out_specs=P(), check_vma=False)(hidden_SD, w)
         return out[:, :vocab_size]
+
+    def row_parallel(self, linear, x_TF):
+        """`linear` (models/layers.py Linear, kernel [F, D] split over F) applied to x_TF
+        [T, F] (split over F) -> [T, D] whole, in the layer's dtype; its bias is added once,
+        after the sum."""
+        if self._mesh is None:
+            return linear(x_TF)
+
+        def partial_sum(x_Tf, w_fD):
+            y_TD = jnp.einsum("tf,fd->td", x_Tf, w_fD, preferred_element_type=jnp.float32)
+            return jax.lax.psum(y_TD.astype(linear.dtype), TP_AXIS)
+
+        y_TD = jax.shard_map(partial_sum, mesh=self._mesh,
+                             in_specs=(P(None, TP_AXIS), P(TP_AXIS, None)),
+                             out_specs=P())(x_TF, linear.kernel[...])
+        if linear.bias is None:
+            return y_TD
+        return (y_TD.astype(jnp.float32) + linear.bias[...]).astype(linear.dtype)

@@ -5,7 +5,8 @@ real GPU pipeline, and each device's program holds
   * the Pallas kernel once per layer, on its own KV head (grid axis 1 = KV heads / 8 = 1),
     clean (no spill, shared memory and registers within the H100's limits, tensor cores);
   * its caches updated in place (no whole-cache copy with one KV head per device);
-  * 2 * layers + 1 activation all-reduces and 2 logits all-gathers, nothing else.
+  * 2 * layers + 1 activation all-reduces, in the model's dtype (bf16: the bytes of vLLM's
+    RowParallelLinear, not f32 partial sums), and 2 logits all-gathers, nothing else.
 
 The model has Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128) in two
 layers of smaller width, to keep the compile short; benchmarks/tp_plan.py compiles the full
@@ -69,6 +70,7 @@ def test_collectives_are_activation_reduces_and_logit_gathers(compiled):
     _, result = compiled
     found = hlo_text.collectives(result.hlo)
     assert sorted(c.op for c in found) == ["all-gather"] * 2 + ["all-reduce"] * 5
-    assert {c.shape for c in found if c.op == "all-reduce"} == {(T, CFG.hidden_size)}
+    assert {(c.dtype, c.shape) for c in found if c.op == "all-reduce"} == \
+        {("bf16", (T, CFG.hidden_size))}
     assert sorted((c.shape, c.in_entry) for c in found if c.op == "all-gather") == \
         sorted([((S, CFG.vocab_size), True), ((T, CFG.vocab_size), False)])
