@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.models.base import AttentionMetadata
-from jaxllm.runner.sampler import (LogprobsTensors, compute_prompt_logprobs, num_topk, sample,
-                                   zero_logprobs)
+from jaxllm.runner.sampler import (LogprobsTensors, chunked_prompt_logprobs, num_topk,
+                                   prompt_logprobs_chunk_rows, sample, zero_logprobs)
 from jaxllm.runner.sampling_metadata import SamplingMetadata, dummy_sampling_metadata
 from jaxllm.sampling_params import MAX_LOGPROBS
 
@@ -55,10 +55,13 @@ class StepOutput:
 
 
 def make_step_fn(graphdef, attention_backend: str, replicated=None, *,
-                 logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS):
+                 logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS,
+                 prompt_logprobs_chunk: int | None = None):
     """`replicated`: with tensor parallelism, a replicated NamedSharding on the mesh; logits
     and hidden states are gathered to it so sampling sees whole rows. logprobs_mode and
-    max_logprobs (the top-k width of every logprobs output) are engine statics."""
+    max_logprobs (the top-k width of every logprobs output) are engine statics.
+    prompt_logprobs_chunk: prompt rows whose logits are computed at once (None: as many as
+    fit sampler.PROMPT_LOGPROBS_CHUNK_BYTES)."""
 
     def constrain(x):
         return x if replicated is None else jax.lax.with_sharding_constraint(x, replicated)
@@ -85,8 +88,9 @@ def make_step_fn(graphdef, attention_backend: str, replicated=None, *,
                                                                       mode="drop")
 
         def prompt_logprobs():
-            logits_TV = constrain(model.compute_logits(hidden_TD))
-            return compute_prompt_logprobs(logits_TV, bm.prompt_targets_T, k)
+            rows = prompt_logprobs_chunk or prompt_logprobs_chunk_rows(logits_SV.shape[-1])
+            return chunked_prompt_logprobs(lambda h_CD: constrain(model.compute_logits(h_CD)),
+                                           hidden_TD, bm.prompt_targets_T, k, rows)
 
         prompt = jax.lax.cond(jnp.any(bm.wants_prompt_logprobs_T), prompt_logprobs,
                               lambda: zero_logprobs(bm.prompt_targets_T, k))
