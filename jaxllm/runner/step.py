@@ -118,7 +118,8 @@ def abstract_inputs(T: int, S: int, W: int, sharding=None, vocab_size: int = 0
 
 
 class CompiledFunctions:
-    """AOT-compiled executables keyed by their static shape; compiles on a miss and counts."""
+    """AOT-compiled executables keyed by their static shape; compiles on a miss and counts.
+    `on_compile(key, executable)`, when set, sees every executable compiled from then on."""
 
     def __init__(self, jitted, abstract_args: Callable[..., tuple]):
         self._jitted = jitted
@@ -126,6 +127,12 @@ class CompiledFunctions:
         self._compiled: dict[tuple, object] = {}
         self._lock = threading.Lock()  # warm-up compiles from several threads
         self.num_compiles = 0
+        self.on_compile: Callable[[tuple, object], None] | None = None
+
+    def memory_analysis(self, key: tuple):
+        """XLA's memory analysis of the executable for `key`, compiled now from the current
+        abstract arguments and not kept (a profile; None where the platform has none)."""
+        return self._jitted.lower(*self._abstract_args(*key)).compile().memory_analysis()
 
     def items(self) -> list[tuple[tuple, object]]:
         """(key, compiled executable) of everything compiled so far."""
@@ -139,4 +146,6 @@ class CompiledFunctions:
             with self._lock:
                 self._compiled[key] = fn
                 self.num_compiles += 1
+            if self.on_compile is not None:
+                self.on_compile(key, fn)
         return fn
