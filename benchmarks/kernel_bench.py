@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.kernels import paged_attention as pa
+from jaxllm.kernels.gpu_compile import available_targets, target_info
 from jaxllm.kernels import reference
 from jaxllm.kernels import tuning
 
-# HBM bandwidth, bytes/s, as in jaxllm/kernels/targets/*.txtpb (memory_bandwidth).
-HBM_PEAK = {"h100": 3.35232e12, "a100": 2.039e12}
+# HBM bandwidth, bytes/s, of every packaged GPU target (jaxllm/kernels/targets/*.txtpb).
+HBM_PEAK = {t: target_info(t).memory_bandwidth for t in available_targets()}
 EFFICIENCY = 0.70  # the fraction of peak a well-tuned memory-bound kernel reaches
 
 # Llama-3-8B

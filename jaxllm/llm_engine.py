@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 
@@ -33,7 +33,9 @@ from jaxllm.models.resolve import DEFAULT_MODEL, resolve_model
 from jaxllm.models.sharding import Placement, make_mesh
 from jaxllm.outputs import RequestOutput
 from jaxllm.runner.buckets import BucketConfig
-from jaxllm.runner.kv_cache import determine_num_blocks
+from jaxllm.runner.kv_cache import (DeviceMemory, KVCacheSizing, StepMemory,
+                                    determine_num_blocks, device_memory, kv_bytes_per_block,
+                                    needs_profile, provisional_num_blocks, size_from_profile)
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -55,7 +57,10 @@ def release_free_heap() -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, use_tqdm: bool = True):
+    def __init__(self, config: EngineConfig, use_tqdm: bool = True, *,
+                 read_device_memory: Callable[[Iterable], DeviceMemory | None] = device_memory):
+        """read_device_memory(devices): the accelerator memory the KV cache is sized from
+        (runner/kv_cache.py); None on CPU. Tests pass a fake device's."""
         cache_dir = compilation_cache_dir(config.compilation_cache_dir)
         enable_compilation_cache(cache_dir)
         accel = _on_accelerator()
@@ -92,19 +97,12 @@ class LLMEngine:
                                    extra_eos_ids=extra_eos_ids, engine_seed=config.seed,
                                    scheduling_policy=config.scheduling_policy)
 
-        # The loaded model's config: its KV heads are the layout's (replicated when tp > K).
-        num_blocks = determine_num_blocks(config, model.config, dtype,
-                                          tensor_parallel_size=config.tensor_parallel_size)
-        kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.max_model_len,
-                                          enable_caching=config.enable_prefix_caching)
-        scheduler = Scheduler(kv_cache_manager, config.max_num_seqs,
-                              config.max_num_batched_tokens, config.max_model_len,
-                              policy=config.scheduling_policy)
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.
         buckets = BucketConfig.create(config.max_num_batched_tokens, config.max_num_seqs,
                                       max_blocks, bucket_widths=False)
-        runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
+        # No KV cache yet (0 blocks): on an accelerator it is sized from a profile first.
+        runner = ModelRunner(model, num_blocks=0, block_size=config.block_size,
                              kv_dtype=dtype, buckets=buckets, attention_backend=backend,
                              max_model_len=config.max_model_len,
                              max_num_seqs=config.max_num_seqs,
@@ -113,6 +111,19 @@ class LLMEngine:
                              logprobs_mode=config.logprobs_mode,
                              max_logprobs=config.max_logprobs)
         del model
+        # The figures behind num_blocks on an accelerator (None where the config or the CPU
+        # default decides).
+        self.kv_sizing = sizing = self._profile(
+            runner, read_device_memory(placement.mesh.devices.flat), dtype)
+        # The loaded model's config: its KV heads are the layout's (replicated when tp > K).
+        num_blocks = determine_num_blocks(config, runner.model_config, dtype,
+                                          tp=config.tensor_parallel_size, sizing=sizing)
+        runner.initialize_kv_cache(num_blocks)
+        kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.max_model_len,
+                                          enable_caching=config.enable_prefix_caching)
+        scheduler = Scheduler(kv_cache_manager, config.max_num_seqs,
+                              config.max_num_batched_tokens, config.max_model_len,
+                              policy=config.scheduling_policy)
         self.engine_core = EngineCore(scheduler, runner, config.async_scheduling)
         self.metrics = EngineMetrics(resolved.name)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
@@ -124,7 +135,28 @@ class LLMEngine:
             t0 = time.perf_counter()
             runner.warmup(use_tqdm=use_tqdm)
             self.warmup_seconds = time.perf_counter() - t0
+            if sizing is not None:
+                sizing.check(runner.step_memory())
+        elif sizing is not None:  # buckets compile while serving: check each as it comes
+            runner.step_fns.on_compile = lambda key, fn: self.kv_sizing.warn_if_over(
+                key, StepMemory.of(fn.memory_analysis(), runner.persistent_bytes()))
         release_free_heap()
+
+    def _profile(self, runner: ModelRunner, memory: DeviceMemory | None,
+                 dtype) -> KVCacheSizing | None:
+        """On an accelerator, the KV cache's figures from the compiled largest bucket (one
+        extra compile, also with enforce_eager); None where the config or the CPU default
+        decides."""
+        config = self.config
+        if not needs_profile(config, memory):
+            return None
+        per_block = kv_bytes_per_block(runner.model_config, config.block_size, dtype,
+                                       config.tensor_parallel_size)
+        t0 = time.perf_counter()
+        steps = runner.profile_run(provisional_num_blocks(config, memory, per_block))
+        sizing = size_from_profile(config, memory, per_block, steps)
+        logger.info("%s; profiled in %.1f s", sizing.describe(), time.perf_counter() - t0)
+        return sizing
 
     # The pieces, by their vLLM names.
     @property

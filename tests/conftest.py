@@ -1,8 +1,18 @@
-"""Shared pytest setup: run JAX on CPU unless told otherwise, and keep jaxllm's caches inside
-this test session.
+"""Shared pytest setup: run JAX on CPU unless a GPU is asked for, and keep jaxllm's caches
+inside this test session.
 
 Set before anything imports jax: the platform is fixed at jax's first backend use, and a CUDA
 plugin is installed on machines without a GPU. No x64: the model runs in f32/bf16 as served.
+JAXLLM_TEST_PLATFORM (tests/platform_choice.py):
+  cpu (default)  JAX_PLATFORMS=cpu unless JAX_PLATFORMS is already set
+  gpu            JAX_PLATFORMS=cuda: the Pallas kernel tests compile the kernel for the
+                 device instead of interpreting it, and the "cpu" attention backend's tests
+                 skip, saying why. cuda alone, so that jax fails at its first use when no GPU
+                 is there ("cuda,cpu" would quietly run everything on the CPU). f32 matmuls
+                 default to full precision: JAX rounds them to TF32 on recent GPUs, and the
+                 oracle's float32 tolerance is 1e-5. Meant for tests/kernels' device tests
+                 (benchmarks/gpu_check.sh runs them); the rest of the suite has not been run
+                 on a GPU.
 jaxllm caches compiled steps and converted GGUF copies under the user's cache directory by
 default; the tests point JAXLLM_CACHE_DIR at a fresh temporary directory instead, so they
 never read anything a previous run (or the user) left outside the repository.
@@ -13,7 +23,13 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from platform_choice import TEST_PLATFORM
+
+if TEST_PLATFORM == "gpu":
+    os.environ["JAX_PLATFORMS"] = "cuda"
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+else:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE = tempfile.mkdtemp(prefix="jaxllm-test-cache-")
 os.environ["JAXLLM_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)

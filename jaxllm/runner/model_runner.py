@@ -41,6 +41,7 @@ from jaxllm.models.parallel import ParallelOps
 from jaxllm.models.sharding import kv_cache_sharding
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.input_batch import HostStep, InputBatch
+from jaxllm.runner.kv_cache import StepMemory, per_device_bytes
 from jaxllm.runner.sampler import logprobs_lists
 from jaxllm.runner.step import (BatchMetadata, CompiledFunctions, StepOutput, abstract_inputs,
                                 make_step_fn)
@@ -132,6 +133,47 @@ class ModelRunner:
             for f in tqdm(as_completed(futures), total=len(futures), desc="Compiling buckets",
                           disable=not use_tqdm):
                 f.result()
+
+    # ---- memory: profile, then allocate the KV cache (vLLM's order) -----------------------
+
+    def profile_run(self, num_blocks: int, keys: list[tuple] | None = None
+                    ) -> dict[tuple, StepMemory | None]:
+        """What the step needs beyond the persistent state (per device; None where XLA gives
+        no memory analysis) at each bucket key (T, W), default the largest token bucket,
+        compiled against an abstract KV cache of num_blocks blocks. Nothing is allocated or
+        kept: the cache the runner holds (of any size, 0 blocks before
+        `initialize_kv_cache`) only lends its per-layer dtype, shape and sharding."""
+        T = self.buckets.token_buckets[-1]
+        keys = keys if keys is not None else [(T, W) for W in self.buckets.width_buckets]
+        held = self.kv_caches
+        # The step's abstract arguments read self.kv_caches: lend them the profile's shape.
+        self.kv_caches = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((num_blocks, *a.shape[1:]), a.dtype,
+                                           sharding=a.sharding), held)
+        try:
+            persistent = self.persistent_bytes()
+            return {key: StepMemory.of(self.step_fns.memory_analysis(key), persistent)
+                    for key in keys}
+        finally:
+            self.kv_caches = held
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate a zero KV cache of num_blocks blocks (and a fresh token history), before
+        the first step is compiled: compiled steps are specific to one cache size."""
+        if self.step_fns.items() or self.copy_fns.items():
+            raise RuntimeError("initialize_kv_cache must come before any step is compiled")
+        self.num_blocks = num_blocks
+        self.reset_device_state()
+
+    def persistent_bytes(self) -> int:
+        """Per device: what every step reads and keeps (weights, KV cache, token history)."""
+        return per_device_bytes((self.state, self.kv_caches, self.token_ids))
+
+    def step_memory(self) -> dict[tuple, StepMemory | None]:
+        """Every step compiled so far: bucket key -> what it needs beyond persistent_bytes."""
+        persistent = self.persistent_bytes()
+        return {key: StepMemory.of(fn.memory_analysis(), persistent)
+                for key, fn in self.step_fns.items()}
 
     # ---- one step ------------------------------------------------------------------------
 

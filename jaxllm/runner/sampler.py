@@ -154,6 +154,55 @@ def compute_prompt_logprobs(logits_TV: jax.Array, target_ids_T: jax.Array,
 
 prompt_logprobs_jit = jax.jit(compute_prompt_logprobs, static_argnames="k")
 
+# Prompt logits computed at once: at most this many bytes of [rows, V] float32 (unless that
+# is fewer than CHUNK_ROW_MULTIPLE rows).
+PROMPT_LOGPROBS_CHUNK_BYTES = 1 << 26
+# Chunks are a multiple of this many rows. Then every chunked result equalled the unchunked
+# one bit for bit on XLA:CPU (every vocabulary, dtype and T measured); chunks of 1 to 7 rows
+# or of 3 x 2^n did not (last-bit differences in log_softmax: XLA:CPU vectorizes its row
+# reductions over groups of rows).
+CHUNK_ROW_MULTIPLE = 8
+
+
+def prompt_logprobs_chunk_rows(vocab_size: int,
+                               chunk_bytes: int = PROMPT_LOGPROBS_CHUNK_BYTES) -> int:
+    """The largest power of two of rows whose float32 logits fit chunk_bytes, at least
+    CHUNK_ROW_MULTIPLE: 128 rows for a 128k vocabulary, 256 for SmolLM2's 49k."""
+    if vocab_size < 1 or chunk_bytes < 1:
+        raise ValueError(f"vocab_size and chunk_bytes must be >= 1, got {vocab_size}, "
+                         f"{chunk_bytes}")
+    rows = max(CHUNK_ROW_MULTIPLE, chunk_bytes // (4 * vocab_size))
+    return 1 << (rows.bit_length() - 1)
+
+
+def chunked_prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden_TD: jax.Array,
+                            target_ids_T: jax.Array, k: int, chunk_rows: int
+                            ) -> LogprobsTensors:
+    """`compute_prompt_logprobs(logits_fn(hidden_TD), target_ids_T, k)`, C = chunk_rows rows
+    at a time, so that one [C, V] block of logits is alive instead of [T, V] (4.2 GB of f32
+    at T = 8192 and a 128k vocabulary). Rows are independent (one row of the LM-head
+    matmul, a row-wise log_softmax, rank and top-k), so the result is the unchunked one
+    (bit for bit on XLA:CPU, see CHUNK_ROW_MULTIPLE). T is padded up to a multiple of C
+    with zero rows whose results are dropped:
+
+        hidden [T, D] -> [N, C, D] --lax.map: logits [C, V] -> C rows of logprobs-->
+                         [N, C, ...] -> [T, ...]
+    """
+    if chunk_rows < 1 or chunk_rows % CHUNK_ROW_MULTIPLE:
+        raise ValueError(f"chunk_rows must be a positive multiple of {CHUNK_ROW_MULTIPLE}, "
+                         f"got {chunk_rows}")
+    T = hidden_TD.shape[0]
+    C = min(chunk_rows, T)
+    N = -(-T // C)
+    if N == 1:
+        return compute_prompt_logprobs(logits_fn(hidden_TD), target_ids_T, k)
+    pad = N * C - T
+    hidden_NCD = jnp.pad(hidden_TD, ((0, pad), (0, 0))).reshape(N, C, -1)
+    targets_NC = jnp.pad(target_ids_T, (0, pad)).reshape(N, C)
+    out = jax.lax.map(lambda x: compute_prompt_logprobs(logits_fn(x[0]), x[1], k),
+                      (hidden_NCD, targets_NC))
+    return jax.tree.map(lambda a: a.reshape(N * C, *a.shape[2:])[:T], out)
+
 
 def gather_logprobs(logprobs_RV: jax.Array, token_ids_R: jax.Array,
                     k: int = MAX_LOGPROBS) -> LogprobsTensors:

@@ -29,8 +29,8 @@ from flax import nnx
 
 from jaxllm.models.base import AttentionMetadata
 from jaxllm.models.parallel import ParallelOps
-from jaxllm.runner.sampler import (LogprobsTensors, compute_prompt_logprobs, num_topk, sample,
-                                   zero_logprobs)
+from jaxllm.runner.sampler import (LogprobsTensors, chunked_prompt_logprobs, num_topk,
+                                   prompt_logprobs_chunk_rows, sample, zero_logprobs)
 from jaxllm.runner.sampling_metadata import SamplingMetadata, dummy_sampling_metadata
 from jaxllm.sampling_params import MAX_LOGPROBS
 
@@ -56,10 +56,12 @@ class StepOutput:
 
 
 def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logprobs",
-                 max_logprobs: int = MAX_LOGPROBS):
+                 max_logprobs: int = MAX_LOGPROBS, prompt_logprobs_chunk: int | None = None):
     """`ops`: what runs per shard (models/parallel.py); the logits it returns are whole rows
     on every device, so sampling needs no collective. logprobs_mode and max_logprobs (the
-    top-k width of every logprobs output) are engine statics."""
+    top-k width of every logprobs output) are engine statics. prompt_logprobs_chunk: prompt
+    rows whose logits are computed at once (None: as many as fit
+    sampler.PROMPT_LOGPROBS_CHUNK_BYTES)."""
 
     def step(state, kv_caches, token_ids_RL, md: AttentionMetadata, bm: BatchMetadata,
              smd: SamplingMetadata):
@@ -81,8 +83,9 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
                                                                       mode="drop")
 
         def prompt_logprobs():
-            logits_TV = model.compute_logits(hidden_TD, ops)
-            return compute_prompt_logprobs(logits_TV, bm.prompt_targets_T, k)
+            rows = prompt_logprobs_chunk or prompt_logprobs_chunk_rows(logits_SV.shape[-1])
+            return chunked_prompt_logprobs(lambda h_CD: model.compute_logits(h_CD, ops),
+                                           hidden_TD, bm.prompt_targets_T, k, rows)
 
         prompt = jax.lax.cond(jnp.any(bm.wants_prompt_logprobs_T), prompt_logprobs,
                               lambda: zero_logprobs(bm.prompt_targets_T, k))
@@ -110,7 +113,8 @@ def abstract_inputs(T: int, S: int, W: int, sharding=None, vocab_size: int = 0
 
 
 class CompiledFunctions:
-    """AOT-compiled executables keyed by their static shape; compiles on a miss and counts."""
+    """AOT-compiled executables keyed by their static shape; compiles on a miss and counts.
+    `on_compile(key, executable)`, when set, sees every executable compiled from then on."""
 
     def __init__(self, jitted, abstract_args: Callable[..., tuple]):
         self._jitted = jitted
@@ -118,6 +122,12 @@ class CompiledFunctions:
         self._compiled: dict[tuple, object] = {}
         self._lock = threading.Lock()  # warm-up compiles from several threads
         self.num_compiles = 0
+        self.on_compile: Callable[[tuple, object], None] | None = None
+
+    def memory_analysis(self, key: tuple):
+        """XLA's memory analysis of the executable for `key`, compiled now from the current
+        abstract arguments and not kept (a profile; None where the platform has none)."""
+        return self._jitted.lower(*self._abstract_args(*key)).compile().memory_analysis()
 
     def items(self) -> list[tuple[tuple, object]]:
         """(key, compiled executable) of everything compiled so far."""
@@ -131,4 +141,6 @@ class CompiledFunctions:
             with self._lock:
                 self._compiled[key] = fn
                 self.num_compiles += 1
+            if self.on_compile is not None:
+                self.on_compile(key, fn)
         return fn

@@ -39,9 +39,13 @@ from jaxllm.runner.step import abstract_inputs, make_step_fn
 from engine_e2e.tiny_model import build_tiny_llama_dir
 from oracle import (Batch, Shape, batches, check, check_long_sequence_leaves_short_ones_alone,
                     make_inputs, run)
+from platform_choice import ON_GPU
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="setup.py builds the cpu backend on Linux only")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"),
+                       reason="setup.py builds the cpu backend on Linux only"),
+    pytest.mark.skipif(ON_GPU, reason='the "cpu" backend runs on the CPU platform; '
+                                      "JAXLLM_TEST_PLATFORM=gpu tests the GPU's")]
 
 
 @functools.cache

@@ -1,5 +1,7 @@
 """Tier 1: the Pallas kernel under the Pallas interpreter (CPU) and the XLA reference, both
-against a float64 numpy reference, on hypothesis-drawn ragged batches.
+against a float64 numpy reference, on hypothesis-drawn ragged batches. With
+JAXLLM_TEST_PLATFORM=gpu (tests/conftest.py) the kernel is compiled by Triton and runs on the
+GPU instead, against the same oracle.
 
 The batches, their NaN traps, the float64 oracle and the tolerances live in tests/kernels/
 oracle.py, shared with the "xla" backend's tests (test_xla_attention.py).
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 from jaxllm.kernels import paged_attention as pa
 from jaxllm.kernels import tuning
 from oracle import Batch, Shape, batches, check, make_inputs
+from platform_choice import ON_GPU
 
 # When a hypothesis example fails, hypothesis' pytest plugin imports libcst (to print a patch)
 # and libcst 1.0.1 uses the deprecated mypy_extensions.TypedDict; with warnings as errors that
@@ -30,7 +33,8 @@ pytestmark = pytest.mark.filterwarnings(
 @functools.cache
 def kernel_fn(shape: Shape):
     return jax.jit(functools.partial(pa.ragged_paged_attention, sm_scale=shape.D ** -0.5,
-                                     interpret=True, target="default", **dict(shape.tuning)))
+                                     interpret=not ON_GPU, target="default",
+                                     **dict(shape.tuning)))
 
 
 @functools.cache
@@ -158,7 +162,7 @@ def test_rejects_bad_arguments():
     k = jnp.zeros((10, 16, 2, 64), jnp.bfloat16)
     meta = (jnp.zeros((2, 4), jnp.int32), jnp.zeros((2,), jnp.int32),
             jnp.zeros((3,), jnp.int32), jnp.int32(0))
-    call = functools.partial(pa.ragged_paged_attention, sm_scale=0.1, interpret=True)
+    call = functools.partial(pa.ragged_paged_attention, sm_scale=0.1, interpret=not ON_GPU)
     with pytest.raises(ValueError, match="unknown tuning keys"):
         call(q, k, k, *meta, blockm=16)
     with pytest.raises(ValueError, match="power of two"):

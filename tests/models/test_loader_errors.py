@@ -500,12 +500,20 @@ def test_the_suggested_kv_budget_is_enough(tiny_dir):
     assert llm.llm_engine.kv_cache_manager.num_blocks == 9
 
 
-def test_determine_num_blocks_never_goes_negative(cfg, monkeypatch):
-    import jaxllm.runner.kv_cache as kv_cache
+def test_determine_num_blocks_never_goes_negative(cfg):
+    from jaxllm.runner.kv_cache import (DeviceMemory, StepMemory, kv_bytes_per_block,
+                                        size_from_profile)
 
-    monkeypatch.setattr(kv_cache, "available_kv_bytes", lambda config: -10**9)
-    config = EngineConfig(max_model_len=None)
-    assert determine_num_blocks(config, cfg, jnp.float32) == 0
-    with pytest.raises(ValueError, match=r"but only 0 blocks are available\. The KV cache "
-                                         r"budget of 0 bytes holds 0 blocks of 5120 bytes"):
-        determine_num_blocks(EngineConfig(max_model_len=128), cfg, jnp.float32)
+    # An accelerator whose memory the weights already exceed.
+    full = DeviceMemory(bytes_limit=10**6, bytes_in_use=10**9)
+    per_block = kv_bytes_per_block(cfg, 16, jnp.float32)
+    for max_model_len in (None, 128):
+        config = EngineConfig(max_model_len=max_model_len)
+        sizing = size_from_profile(config, full, per_block, {(512, 8): StepMemory(1000, 0)})
+        assert (sizing.num_blocks, sizing.kv_bytes) == (0, 0)
+        if max_model_len is None:
+            assert determine_num_blocks(config, cfg, jnp.float32, sizing=sizing) == 0
+            continue
+        with pytest.raises(ValueError, match=r"but only 0 blocks are available\. The KV "
+                           r"cache budget of 0 bytes holds 0 blocks of 5120 bytes"):
+            determine_num_blocks(config, cfg, jnp.float32, sizing=sizing)
