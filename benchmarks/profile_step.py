@@ -146,9 +146,12 @@ def sampling_ms(engine, host) -> float:
     from jaxllm.runner.sampler import sample_jit
 
     S = host.seq_lens.shape[0]
+    batch = engine.runner.input_batch
     logits = jax.random.normal(jax.random.key(0), (S, engine.model_config.vocab_size))
     smd = host.sampling.replace(penalties=host.sampling.penalties.replace(
-        token_ids=np.zeros((S, engine.config.max_model_len), np.int32)))
+        token_ids=np.zeros((S, engine.config.max_model_len), np.int32)),
+        bad_words=batch.bad_words.host[host.slot_S],
+        allowed_token_bits=batch.allowed_token_bits.host[host.slot_S])
     return median_ms(lambda: jax.block_until_ready(sample_jit(logits, smd)))
 
 
@@ -168,8 +171,8 @@ def attention_ms(engine, host) -> float:
                 for k, v in caches]
         return sum(o.astype(jnp.float32).sum() for o in outs)
 
-    args = (q, runner.kv_caches, host.block_tables, host.seq_lens, host.query_start_loc,
-            host.num_seqs)
+    args = (q, runner.kv_caches, runner.input_batch.block_tables(host), host.seq_lens,
+            host.query_start_loc, host.num_seqs)
     return median_ms(lambda: all_layers(*args).block_until_ready())
 
 

@@ -1,5 +1,6 @@
 """The persistent batch's per-slot device rows (runner/device_rows.py), exactly: which
-uploads a change makes, and that the device copy equals the host mirror after them.
+uploads a change makes, and that the device copy equals the host mirror after a scripted
+run of joins, block appends, preemptions, removals and slot reuse through the input batch.
 """
 
 from __future__ import annotations
@@ -7,7 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxllm.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.device_rows import DeviceRows, entry_buckets, row_buckets
+from jaxllm.runner.input_batch import InputBatch
+from jaxllm.sampling_limits import NO_TOKEN
+from jaxllm.sampling_params import SamplingParams
 
 ONES = 0xFFFFFFFF
 
@@ -129,3 +135,102 @@ def test_updates_are_donated_and_compiled_once_per_bucket():
         memory = fn.memory_analysis()
         assert memory.alias_size_in_bytes == rows.host.nbytes, key
         assert memory.temp_size_in_bytes < rows.host.nbytes // 4, key
+
+
+# ---- through the input batch: a scripted run -----------------------------------------------
+
+BS = 4  # block size
+R = 3   # slots
+
+
+def new(req_id, prompt, blocks, output=(), computed=0, bad_words_token_ids=None,
+        **params) -> NewRequestData:
+    p = SamplingParams(**params)
+    p.seed = 0
+    if bad_words_token_ids:  # as the processor fills it at admission
+        p.bad_words = ["w"] * len(bad_words_token_ids)
+        p._bad_words_token_ids = bad_words_token_ids
+    return NewRequestData(req_id, list(prompt), list(output), p, list(blocks), computed)
+
+
+def so_of(new=(), cached=(), finished=(), preempted=()) -> SchedulerOutput:
+    num = {m.req_id: n for m, n in [*new, *cached]}
+    return SchedulerOutput([m for m, _ in new], [m for m, _ in cached], num,
+                           sum(num.values()), set(finished), set(preempted))
+
+
+def run_step(batch: InputBatch, so: SchedulerOutput) -> dict[str, int]:
+    """What the runner does with one step's rows: apply, pack, flush; -> bytes per table.
+    Checks that the device copies equal the mirrors and that the step's gathered block
+    tables are the packed ones."""
+    batch.update_states(so)
+    step = batch.prepare(so, BucketConfig.create(32, R, 8, bucket_widths=True))
+    sent = {name: rows.flush() for name, rows in batch.slot_rows().items()}
+    for rows in batch.slot_rows().values():
+        assert_device_is_mirror(rows)
+    table = np.asarray(batch.block_table.device)
+    np.testing.assert_array_equal(table[step.slot_S, :step.width], batch.block_tables(step))
+    return sent
+
+
+def test_scripted_joins_appends_preemptions_and_slot_reuse():
+    batch = InputBatch(R, 32, 8, BS, eos_token_ids=[2], vocab_size=100)
+    for rows in batch.slot_rows().values():
+        rows.place(None)
+    table = batch.block_table.host
+    # Entry bucket: max(R, 8 blocks) = 8 -> (8,): 8 x (4 + 4) bytes per call.
+    call = 8 * 8
+
+    sent = run_step(batch, so_of(new=[(new("A", range(10, 19), [5, 6, 7]), 9),
+                                      (new("B", range(30, 35), [8, 9]), 5)]))
+    assert sent == {"block_tables": call, "bad_words": 0, "allowed_token_bits": 0}
+    assert table[:2].tolist() == [[5, 6, 7, 0, 0, 0, 0, 0], [8, 9, 0, 0, 0, 0, 0, 0]]
+
+    # Decode: A needs no block, B appends one (block 11).
+    sent = run_step(batch, so_of(cached=[(CachedRequestData("A", [], 9), 1),
+                                         (CachedRequestData("B", [11], 5), 1)]))
+    assert sent["block_tables"] == call and table[1, :3].tolist() == [8, 9, 11]
+    sent = run_step(batch, so_of(cached=[(CachedRequestData("A", [], 10), 1),
+                                         (CachedRequestData("B", [], 6), 1)]))
+    assert sent["block_tables"] == 0  # nothing changed, nothing sent
+
+    # B is preempted; C joins its slot with one block: B's stale 9 and 11 are cleared.
+    sent = run_step(batch, so_of(new=[(new("C", [1, 2], [12]), 2)],
+                                 cached=[(CachedRequestData("A", [], 11), 1)],
+                                 preempted={"B"}))
+    assert batch.req_id_to_slot == {"A": 0, "C": 1}
+    assert table[1].tolist() == [12, 0, 0, 0, 0, 0, 0, 0] and sent["block_tables"] == call
+
+    # A finishes; B resumes (prompt + its outputs so far) into slot 0 with new blocks;
+    # a request with allowed ids and bad words takes slot 2.
+    sent = run_step(batch, so_of(
+        new=[(new("B", range(30, 35), [13, 14], output=[40, 41]), 7),
+             (new("D", [3], [15], allowed_token_ids=[4, 70],
+                  bad_words_token_ids=[[7, 8], [9]]), 1)],
+        cached=[(CachedRequestData("C", [], 2), 1)], finished={"A"}))
+    slots = batch.req_id_to_slot
+    assert (slots["B"], slots["D"]) == (0, 2)
+    assert table[0].tolist() == [13, 14, 0, 0, 0, 0, 0, 0]
+    assert batch.allowed_token_bits.host[2].tolist() == [1 << 4, 0, 1 << (70 - 64), 0]
+    words = batch.bad_words.host[2]
+    assert words[0, -2:].tolist() == [7, 8] and words[1, -1] == 9
+    assert (words[0, :-2] == NO_TOKEN).all() and (words[2:] == NO_TOKEN).all()
+    # The allowed bits (ceil(100 / 32) = 4 words) go as one whole row: slot + 16 bytes; the
+    # 3 bad-word tokens as entries in the smallest bucket (16).
+    assert sent == {"block_tables": call, "bad_words": 16 * 8, "allowed_token_bits": 4 + 16}
+
+    # Later requests in other slots, or steps without joins, send none of it again.
+    sent = run_step(batch, so_of(cached=[(CachedRequestData("B", [], 7), 1),
+                                         (CachedRequestData("C", [], 3), 1),
+                                         (CachedRequestData("D", [], 1), 1)]))
+    assert sent == {"block_tables": 0, "bad_words": 0, "allowed_token_bits": 0}
+
+    # D leaves; E, which uses neither, takes slot 2: both rows go back to their fill value.
+    sent = run_step(batch, so_of(new=[(new("E", [5, 6], [16]), 2)], finished={"D"}))
+    assert batch.req_id_to_slot["E"] == 2
+    assert (batch.allowed_token_bits.host[2] == ONES).all()
+    assert (batch.bad_words.host[2] == NO_TOKEN).all()
+    assert sent == {"block_tables": call, "bad_words": 16 * 8, "allowed_token_bits": 4 + 16}
+    # ... and once back to the fill value, a further non-user in the slot sends nothing.
+    sent = run_step(batch, so_of(new=[(new("F", [5, 6], [16]), 2)], finished={"E"}))
+    assert sent == {"block_tables": 0, "bad_words": 0, "allowed_token_bits": 0}
