@@ -13,7 +13,10 @@ A step is two halves so that the engine can overlap them (async scheduling):
 
 The per-slot rows the step reads (block tables, bad words, allowed-token bits) stay on the
 device between steps (`InputBatch.slot_rows()`, runner/device_rows.py); `run` sends only what
-changed since the previous step, then the step itself.
+changed since the previous step, then the step itself. Every host-to-device byte of a step
+(its arguments, those diffs, and the block copies and history rows `dispatch` sends first)
+is counted as host bytes (under tensor parallelism each is replicated to every device of
+the mesh): `last_step_h2d` (by part) and `total_h2d_bytes`.
 
 A request that joins with num_computed_tokens > 0 (a prefix-cache hit) never runs its
 cached positions, so the step never writes them into its token-history row, which the
@@ -84,6 +87,9 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, buckets.width_buckets[-1],
                                       block_size, eos_token_ids, cfg.vocab_size)
         self.slot_rows = self.input_batch.slot_rows()
+        self.last_step_h2d: dict[str, int] = {}  # bytes of the last step, by part
+        self.total_h2d_bytes = 0
+        self._h2d_before_step: dict[str, int] = {}  # sent by dispatch ahead of the step
         self.reset_device_state()
         self.step_fns = CompiledFunctions(
             make_step_fn(self.graphdef, attention_backend, rep, logprobs_mode=logprobs_mode,
@@ -174,6 +180,7 @@ class ModelRunner:
         src = np.zeros(self.max_num_seqs, np.int32)
         dst = np.zeros(self.max_num_seqs, np.int32)
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+        self._count_h2d("block copies", src.nbytes + dst.nbytes)
         self.kv_caches = self.copy_fns.get(())(self.kv_caches, src, dst)
 
     def _upload_history(self, slot: int) -> None:
@@ -181,19 +188,27 @@ class ModelRunner:
         # A copy: the host row keeps changing while the (asynchronous) upload may still
         # read the buffer it was given.
         row = self.input_batch.token_ids[slot].copy()
+        self._count_h2d("token history", row.nbytes + 4)
         self.token_ids = self.history_fns.get(())(self.token_ids, np.int32(slot), row)
+
+    def _count_h2d(self, part: str, nbytes: int) -> None:
+        self._h2d_before_step[part] = self._h2d_before_step.get(part, 0) + nbytes
 
     def run(self, host: HostStep) -> StepOutput:
         """Send the per-slot rows that changed, then launch the device step for a packed
         batch (asynchronously: returns futures)."""
         T, _, W = host.shape
-        for rows in self.slot_rows.values():
-            rows.flush()
+        h2d, self._h2d_before_step = self._h2d_before_step, {}
+        for name, rows in self.slot_rows.items():
+            h2d[name] = rows.flush()
         # block_tables: gathered in the step from the device rows.
         md = AttentionMetadata(host.input_ids, host.positions, host.slot_mapping, None,
                                host.seq_lens, host.query_start_loc, host.num_seqs)
         bm = BatchMetadata(host.slot_T, host.from_device_T, host.logits_indices, host.slot_S,
                            host.samples_S, host.prompt_targets_T, host.wants_prompt_logprobs_T)
+        h2d["step arguments"] = sum(a.nbytes for a in jax.tree.leaves((md, bm, host.sampling)))
+        self.last_step_h2d = h2d
+        self.total_h2d_bytes += sum(h2d.values())
         out, self.kv_caches, self.token_ids = self.step_fns.get((T, W))(
             self.state, self.kv_caches, self.token_ids, md, bm, host.sampling,
             self._slot_tables())
