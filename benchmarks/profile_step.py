@@ -19,15 +19,24 @@ shape and at 2048^3, in the model's dtype). FLOPs and bytes are counted by hand 
 weight read once, each sequence's KV read once up to its length, 2 FLOPs per parameter per
 token, attention over each row's visible keys); XLA's own cost analysis is printed beside.
 Attention alone (every layer's call on the step's real metadata) is set against its KV-read
-roofline: KV bytes in context / bandwidth.
+roofline: KV bytes in context / bandwidth. "h2d KiB" is what the runner sent to the device
+for the step (its arguments and the per-slot rows that changed), median over the steps.
+
+`--bytes` measures only the bytes moved per step, at S=256 sequences decoding and
+max_model_len=32768 (a block-table width of 2048 blocks of 16), against the layout before the
+persistent batch moved to the device (47c4e60: the whole [S, W] block tables, [S, B, G] bad
+words and [S, ceil(V/32)] allowed-token bits were step arguments, sent every step).
 
     python benchmarks/profile_step.py                  # dtype "auto", default scenarios
     python benchmarks/profile_step.py --dtype float32 --scenarios decode64@1024
+    python benchmarks/profile_step.py --bytes
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import statistics
 import time
 
@@ -35,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM, SamplingParams, llm_engine
 
 
 def median_ms(fn, repeats=7, warmup=2):
@@ -104,6 +113,7 @@ def drain(engine):
 class PhaseTimer:
     def __init__(self):
         self.ms = {}
+        self.h2d = []  # host-to-device bytes of each step
 
     def add(self, name, t0):
         self.ms.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
@@ -129,6 +139,7 @@ def profiled_step(engine, timer: PhaseTimer):
     out = runner.run(host)
     jax.block_until_ready(out)
     timer.add("device", t0)
+    timer.h2d.append(sum(runner.last_step_h2d.values()))
     t0 = time.perf_counter()
     runner_output = runner.fetch(PendingStep(host, out))
     timer.add("fetch", t0)
@@ -146,9 +157,12 @@ def sampling_ms(engine, host) -> float:
     from jaxllm.runner.sampler import sample_jit
 
     S = host.seq_lens.shape[0]
+    batch = engine.runner.input_batch
     logits = jax.random.normal(jax.random.key(0), (S, engine.model_config.vocab_size))
     smd = host.sampling.replace(penalties=host.sampling.penalties.replace(
-        token_ids=np.zeros((S, engine.config.max_model_len), np.int32)))
+        token_ids=np.zeros((S, engine.config.max_model_len), np.int32)),
+        bad_words=batch.bad_words.host[host.slot_S],
+        allowed_token_bits=batch.allowed_token_bits.host[host.slot_S])
     return median_ms(lambda: jax.block_until_ready(sample_jit(logits, smd)))
 
 
@@ -166,8 +180,8 @@ def attention_ms(engine, host) -> float:
                 for k, v in caches]
         return sum(o.astype(jnp.float32).sum() for o in outs)
 
-    args = (q, runner.kv_caches, host.block_tables, host.seq_lens, host.query_start_loc,
-            host.num_seqs)
+    args = (q, runner.kv_caches, runner.input_batch.block_tables(host), host.seq_lens,
+            host.query_start_loc, host.num_seqs)
     return median_ms(lambda: all_layers(*args).block_until_ready())
 
 
@@ -230,6 +244,83 @@ def async_step_ms(engine, kind, batch, ctx, vocab, steps, max_tokens) -> float:
     return statistics.median(times[1:])
 
 
+# ---- bytes per step ----------------------------------------------------------------------
+
+def old_layout_bytes(runner, h2d: dict[str, int], S: int) -> int:
+    """What the 47c4e60 layout sent for the same step: everything but the per-slot row diffs,
+    plus the whole tables as step arguments (int32 block tables [S, W], int32 bad words
+    [S, B, G], uint32 allowed-token bits [S, N])."""
+    sent = sum(n for part, n in h2d.items() if part not in runner.slot_rows)
+    return sent + sum(S * rows.row_size * rows.dtype.itemsize
+                      for name, rows in runner.slot_rows.items())
+
+
+@contextlib.contextmanager
+def reported_max_length(max_len):
+    """Loaded model configs report at least `max_len` positions. SmolLM2-135M allows 8192;
+    the bytes measurement needs only the block-table width of a 32k context (W = 2048), its
+    contexts stay under 100 tokens, where the model is what it always is (RoPE angles are
+    computed per position, there is no table to outgrow)."""
+    real = llm_engine.load_checkpoint
+
+    def load(*args, **kwargs):
+        model, cfg, gen, tokenizer = real(*args, **kwargs)
+        longer = max(max_len, cfg.max_position_embeddings)
+        return model, dataclasses.replace(cfg, max_position_embeddings=longer), gen, tokenizer
+
+    llm_engine.load_checkpoint = load
+    try:
+        yield
+    finally:
+        llm_engine.load_checkpoint = real
+
+
+def bytes_per_step(model, dtype, steps, num_seqs=256, max_model_len=32768):
+    """Host-to-device bytes of each decode step with `num_seqs` sequences, before and after."""
+    steps = max(steps, 48)  # three block boundaries per sequence (block_size 16)
+    with reported_max_length(max_model_len):
+        llm = LLM(model=model, dtype=dtype, max_num_seqs=num_seqs, max_num_batched_tokens=512,
+                  max_model_len=max_model_len, seed=0, async_scheduling=False,
+                  enforce_eager=True, kv_cache_memory_bytes=1 << 30)
+    engine = llm.llm_engine
+    runner = engine.runner
+    vocab = engine.model_config.vocab_size
+    # Short contexts (16..31 prompt tokens) staggered over a block, so that block appends
+    # spread over the steps as they would in serving; the block-table width is what
+    # max_model_len makes it, whatever the contexts.
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 64)
+    for i in range(num_seqs):
+        engine.add_request(None, rng.integers(100, vocab, 16 + i % 16).tolist(), params)
+    prefill_all(engine)
+    after, before, parts = [], [], {}
+    for _ in range(steps):
+        engine.step()
+        h2d = runner.last_step_h2d
+        after.append(sum(h2d.values()))
+        before.append(old_layout_bytes(runner, h2d, num_seqs))
+        for part, n in h2d.items():
+            parts.setdefault(part, []).append(n)
+    assert len(engine.scheduler.running) == num_seqs, "every sequence decodes every step"
+    longest = max(r.num_tokens for r in engine.scheduler.running)
+    drain(engine)
+    W = runner.buckets.width_buckets[-1]
+    name = engine.metrics.labels["model_name"]
+    print(f"bytes per decode step, {name} ({vocab} vocab): "
+          f"S={num_seqs} sequences decoding, max_model_len={max_model_len} (block-table "
+          f"width W={W}; the model's own config says 8192, raised for the width only), "
+          f"{steps} steps. Contexts are short (16..{longest} tokens): the bytes depend on "
+          f"W and on the block appends (one per sequence every {runner.block_size} steps, "
+          f"staggered), not on the context length.")
+    print(f"  before (47c4e60 layout): mean {statistics.mean(before) / 1024:.1f} KiB, "
+          f"max {max(before) / 1024:.1f} KiB")
+    print(f"  after  (device rows):    mean {statistics.mean(after) / 1024:.2f} KiB, "
+          f"max {max(after) / 1024:.2f} KiB")
+    print(f"  ratio (means): {statistics.mean(before) / statistics.mean(after):.0f}x")
+    for part, ns in parts.items():
+        print(f"    {part:>20}: mean {statistics.mean(ns):9.1f} B, max {max(ns):7d} B")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None)
@@ -240,7 +331,11 @@ def main():
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=3.0,
                    help="KV cache budget: 64 sequences of 1k tokens must fit without preemption")
+    p.add_argument("--bytes", action="store_true",
+                   help="only the host-to-device bytes per step at S=256, max_model_len=32768")
     args = p.parse_args()
+    if args.bytes:
+        return bytes_per_step(args.model, args.dtype, args.steps)
 
     bw = measure_bandwidth_gbs()
     print(f"machine: read bandwidth {bw:.1f} GB/s (jitted sum over 1 GiB)")
@@ -260,7 +355,7 @@ def main():
 
     header = ("scenario", "step ms", "schedule", "prepare", "device", "(sampling)", "fetch",
               "output", "host %", "async step ms", "device % roofline", "attn ms",
-              "attn % roofline")
+              "attn % roofline", "h2d KiB")
     rows, notes = [], []
     vocab = cfg.vocab_size
     for text in args.scenarios:
@@ -301,7 +396,7 @@ def main():
                      f"{med['output']:.2f}", f"{100 * host_ms / total:.1f}%",
                      f"{asynchronous:.1f}", f"{100 * roof_ms / med['device']:.0f}%",
                      f"{attn:.1f}", f"{100 * attn_roof_ms / attn:.0f}%" if kind == "decode"
-                     else "-"])
+                     else "-", f"{statistics.median(timer.h2d) / 1024:.1f}"])
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     for row in rows:

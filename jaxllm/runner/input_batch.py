@@ -4,7 +4,13 @@ Owns the runner's copy of each live request, built only from `SchedulerOutput` m
 its tokens, counters, block table and sampling parameters, one row per slot. Rows change
 only when a request joins (a slot is filled), leaves (the slot is freed) or grows (new block
 ids, new tokens); packing a step is then a few vectorised numpy gathers, with no loop over
-tokens or vocabulary. Never touches a scheduler `Request`, never calls jax.
+tokens or vocabulary. Never touches a scheduler `Request`, never calls jax (the runner
+flushes the device rows below).
+
+The rows the step reads by slot live on the device (`slot_rows()`, each a `DeviceRows`: the
+block table, the bad words, the allowed-token bits): written here when a request joins or
+grows, sent by the runner as diffs, gathered in the step by `slot_S`. A packed step carries
+none of them.
 
 Packing of one step (T = 16 bucket, S = 4 bucket, block_size 4):
 
@@ -33,17 +39,22 @@ import numpy as np
 
 from jaxllm.messages import NewRequestData, SchedulerOutput
 from jaxllm.runner.buckets import BucketConfig
-from jaxllm.runner.sampling_metadata import ALL_LOGPROBS, SamplingMetadata, SamplingSlots
+from jaxllm.runner.device_rows import DeviceRows, entry_buckets, row_buckets
+from jaxllm.runner.sampling_metadata import (ALL_LOGPROBS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS,
+                                             NO_TOKEN, SamplingMetadata, SamplingSlots,
+                                             allowed_token_bits, bad_words_rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class HostStep:
-    """Host numpy arrays for one step, padded to (T, S, W), plus what fetching needs."""
+    """Host numpy arrays for one step, padded to (T, S, W), plus what fetching needs. The
+    block tables are not here: the step gathers them on the device (`InputBatch.block_tables`
+    reads the same rows from the host mirror)."""
 
     input_ids: np.ndarray        # [T] int32 (0 where from_device)
     positions: np.ndarray        # [T] int32
     slot_mapping: np.ndarray     # [T] int32
-    block_tables: np.ndarray     # [S, W] int32
+    width: int                   # W, the block-table width bucket
     seq_lens: np.ndarray         # [S] int32
     query_start_loc: np.ndarray  # [S + 1] int32
     num_seqs: np.ndarray         # [] int32
@@ -63,7 +74,7 @@ class HostStep:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return (self.input_ids.shape[0], self.seq_lens.shape[0], self.block_tables.shape[1])
+        return (self.input_ids.shape[0], self.seq_lens.shape[0], self.width)
 
 
 class InputBatch:
@@ -84,10 +95,27 @@ class InputBatch:
         self.num_tokens_known = np.zeros(R, np.int32)
         self.num_tokens = np.zeros(R, np.int32)
         self.num_computed_tokens = np.zeros(R, np.int32)
-        self.block_table = np.zeros((R, max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(R, np.int32)
         self.num_prompt_logprobs = np.full(R, -1, np.int32)
-        self.sampling = SamplingSlots(R, vocab_size)
+        self.sampling = SamplingSlots(R)
+        self.vocab_size = vocab_size
+        # Block ids past num_blocks are 0 (the null block). A decode step appends one block
+        # per request every block_size tokens: entries, not rows.
+        self.block_table = DeviceRows(R, (max_blocks_per_req,), np.int32, 0,
+                                      entry_buckets=entry_buckets(max(R, max_blocks_per_req)))
+        # A few short sequences per request at most: entries.
+        self.bad_words = DeviceRows(R, (MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), np.int32,
+                                    NO_TOKEN,
+                                    entry_buckets=entry_buckets(MAX_BAD_WORDS
+                                                                * MAX_BAD_WORD_TOKENS))
+        # A restricting set clears most of its ceil(V / 32) words: whole rows.
+        self.allowed_token_bits = DeviceRows(R, (-(-vocab_size // 32),), np.uint32,
+                                             0xFFFFFFFF, row_buckets=row_buckets(R))
+
+    def slot_rows(self) -> dict[str, DeviceRows]:
+        """The per-slot tables the step reads on the device, by the step input they fill."""
+        return {"block_tables": self.block_table, "bad_words": self.bad_words,
+                "allowed_token_bits": self.allowed_token_bits}
 
     @property
     def num_reqs(self) -> int:
@@ -108,12 +136,21 @@ class InputBatch:
         self.num_prompt_tokens[slot] = len(new.prompt_token_ids)
         self.num_tokens_known[slot] = self.num_tokens[slot] = len(tokens)
         self.num_computed_tokens[slot] = new.num_computed_tokens
-        self.num_blocks[slot] = 0
-        self._append_blocks(slot, new.block_ids)
+        # The whole row, zeros past the request's blocks: only the columns that differ from
+        # the slot's previous occupant are sent.
+        row = np.zeros(self.block_table.row_size, np.int32)
+        row[:len(new.block_ids)] = new.block_ids
+        self.block_table.set_row(slot, row)
+        self.num_blocks[slot] = len(new.block_ids)
         p = new.sampling_params
         self.num_prompt_logprobs[slot] = (-1 if p.prompt_logprobs is None else ALL_LOGPROBS
                                           if p.prompt_logprobs == -1 else p.prompt_logprobs)
         self.sampling.add(slot, p, p.seed, self.eos_token_ids)
+        # Rows a request does not use are set back to their fill value: nothing is sent
+        # unless the slot's previous occupant used them.
+        self.bad_words.set_row(slot, bad_words_rows(p.bad_words_token_ids))
+        self.allowed_token_bits.set_row(slot, allowed_token_bits(p.allowed_token_ids,
+                                                                 self.vocab_size))
         return slot
 
     def remove_request(self, req_id: str) -> None:
@@ -126,8 +163,10 @@ class InputBatch:
         self._free_slots.sort(reverse=True)
 
     def _append_blocks(self, slot: int, block_ids: Sequence[int]) -> None:
+        if not block_ids:
+            return  # most decode steps: no new block
         n = int(self.num_blocks[slot])
-        self.block_table[slot, n:n + len(block_ids)] = block_ids
+        self.block_table.set(slot, np.arange(n, n + len(block_ids)), block_ids)
         self.num_blocks[slot] = n + len(block_ids)
 
     def update_states(self, so: SchedulerOutput) -> None:
@@ -171,13 +210,11 @@ class InputBatch:
         positions[:total] = pos
         # Padding rows write their (garbage) K/V into the null block 0, which nobody reads.
         slot_mapping = np.arange(T, dtype=np.int32) % bs
-        slot_mapping[:total] = self.block_table[row_slot, pos // bs] * bs + pos % bs
+        slot_mapping[:total] = self.block_table.host[row_slot, pos // bs] * bs + pos % bs
         slot_T = np.full(T, R, np.int32)
         slot_T[:total] = row_slot
         from_device_T = np.zeros(T, bool)
         from_device_T[:total] = from_device
-        block_tables = np.zeros((S, W), np.int32)
-        block_tables[:n] = self.block_table[slots, :W]
         seq_lens_real = start + num_sched
         seq_lens = np.zeros(S, np.int32)
         seq_lens[:n] = seq_lens_real
@@ -200,10 +237,15 @@ class InputBatch:
 
         self.num_computed_tokens[slots] = seq_lens_real
         self.num_tokens[slots[samples]] += 1
-        return HostStep(input_ids, positions, slot_mapping, block_tables, seq_lens,
+        return HostStep(input_ids, positions, slot_mapping, W, seq_lens,
                         query_start_loc, np.asarray(n, np.int32), slot_T, from_device_T,
                         logits_indices, slot_S, samples_S, targets, wants, sampling, req_ids,
                         self.generation[slots].copy(), spans)
+
+    def block_tables(self, step: HostStep) -> np.ndarray:
+        """[S, W] the block tables of a step just packed, from the host mirror: what the
+        step gathers on the device (padding sequences read row R, all null blocks)."""
+        return self.block_table.host[step.slot_S, :step.width]
 
     def _prompt_logprob_targets(self, T, req_ids, slots, start, num_sched, ends):
         """Row p of a request scores prompt token p + 1, so a chunk at positions start..stop-1

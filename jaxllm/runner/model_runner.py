@@ -11,6 +11,13 @@ A step is two halves so that the engine can overlap them (async scheduling):
 
 `execute_model(so)` is the synchronous composition of the two.
 
+The per-slot rows the step reads (block tables, bad words, allowed-token bits) stay on the
+device between steps (`InputBatch.slot_rows()`, runner/device_rows.py); `run` sends only what
+changed since the previous step, then the step itself. Every host-to-device byte of a step
+(its arguments, those diffs, and the block copies and history rows `dispatch` sends first)
+is counted as host bytes (under tensor parallelism each is replicated to every device of
+the mesh): `last_step_h2d` (by part) and `total_h2d_bytes`.
+
 A request that joins with num_computed_tokens > 0 (a prefix-cache hit) never runs its
 cached positions, so the step never writes them into its token-history row, which the
 penalties read. `dispatch` uploads the row from the host first (one small donated update,
@@ -43,8 +50,8 @@ from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.input_batch import HostStep, InputBatch
 from jaxllm.runner.kv_cache import StepMemory, per_device_bytes
 from jaxllm.runner.sampler import logprobs_lists
-from jaxllm.runner.step import (BatchMetadata, CompiledFunctions, StepOutput, abstract_inputs,
-                                make_step_fn)
+from jaxllm.runner.step import (BatchMetadata, CompiledFunctions, StepOutput,
+                                abstract_slot_row_inputs, make_step_fn)
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 
@@ -78,14 +85,19 @@ class ModelRunner:
         rep = NamedSharding(mesh, PartitionSpec())
         self.replicated = rep
         self.kv_sharding = kv_cache_sharding(mesh)
-        self.reset_device_state()
         self.input_batch = InputBatch(max_num_seqs, max_model_len, buckets.width_buckets[-1],
                                       block_size, eos_token_ids, cfg.vocab_size)
+        self.slot_rows = self.input_batch.slot_rows()
+        self.last_step_h2d: dict[str, int] = {}  # bytes of the last step, by part
+        self.total_h2d_bytes = 0
+        self._h2d_before_step: dict[str, int] = {}  # sent by dispatch ahead of the step
+        self.reset_device_state()
         self.step_fns = CompiledFunctions(
             make_step_fn(self.graphdef, ParallelOps(AttentionLayer(attention_backend, mesh)),
                          logprobs_mode=logprobs_mode, max_logprobs=max_logprobs),
             lambda T, W: (self.state, self.kv_caches, self.token_ids,
-                          *abstract_inputs(T, buckets.seqs_for(T), W, rep, cfg.vocab_size)))
+                          *abstract_slot_row_inputs(T, buckets.seqs_for(T), W,
+                                                    self._slot_tables(), rep)))
         # One key, (): copies of cached tail blocks, up to one per new request of a step,
         # padded with null-block self-copies (block 0 onto itself changes nothing).
         self.copy_fns = CompiledFunctions(
@@ -99,18 +111,25 @@ class ModelRunner:
                      jax.ShapeDtypeStruct((max_model_len,), jnp.int32, sharding=rep)))
 
     def reset_device_state(self) -> None:
-        """Fresh (zero) KV cache and token history: at start-up, and after a failed step
-        consumed the donated ones (every request then recomputes)."""
+        """Fresh (zero) KV cache and token history, and the per-slot rows rebuilt from their
+        host mirrors: at start-up, and after a failed step consumed the donated ones (every
+        request then recomputes)."""
         self.kv_caches = init_kv_caches(self.model_config, self.num_blocks, self.block_size,
                                         self.attention_backend.kv_storage_dtype(self.kv_dtype),
                                         self.kv_sharding)
         self.token_ids = jnp.zeros((self.max_num_seqs, self.max_model_len), jnp.int32,
                                    device=self.replicated)
+        for rows in self.slot_rows.values():
+            rows.place(self.replicated)
+
+    def _slot_tables(self) -> dict[str, jax.Array]:
+        return {name: rows.device for name, rows in self.slot_rows.items()}
 
     def device_state_ok(self) -> bool:
-        """Did the KV cache and token history survive (not donated to a step that failed)?"""
+        """Did the KV cache, the token history and the per-slot rows survive (not donated to
+        a step or an update that failed)?"""
         try:
-            leaves = jax.tree.leaves((self.kv_caches, self.token_ids))
+            leaves = jax.tree.leaves((self.kv_caches, self.token_ids, self._slot_tables()))
             if any(a.is_deleted() for a in leaves):
                 return False
             jax.block_until_ready(leaves)
@@ -120,13 +139,18 @@ class ModelRunner:
 
     @property
     def num_compiles(self) -> int:
-        return self.step_fns.num_compiles
+        """Executables compiled so far: steps, block copies, history rows, row uploads."""
+        return (self.step_fns.num_compiles + self.copy_fns.num_compiles
+                + self.history_fns.num_compiles
+                + sum(rows.num_compiles for rows in self.slot_rows.values()))
 
     def warmup(self, use_tqdm: bool = True) -> None:
         """Compile every bucket the engine can launch, so serving never compiles."""
         shapes = [(T, W) for T, _, W in self.buckets.all_shapes()]
         self.history_fns.get(())
         self.copy_fns.get(())
+        for rows in self.slot_rows.values():
+            rows.warmup()
         # XLA compiles without the GIL: one thread per core roughly divides the wall time.
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             futures = [pool.submit(self.step_fns.get, shape) for shape in shapes]
@@ -166,8 +190,10 @@ class ModelRunner:
         self.reset_device_state()
 
     def persistent_bytes(self) -> int:
-        """Per device: what every step reads and keeps (weights, KV cache, token history)."""
-        return per_device_bytes((self.state, self.kv_caches, self.token_ids))
+        """Per device: what every step reads and keeps (weights, KV cache, token history, the
+        per-slot tables)."""
+        return per_device_bytes((self.state, self.kv_caches, self.token_ids,
+                                 self._slot_tables()))
 
     def step_memory(self) -> dict[tuple, StepMemory | None]:
         """Every step compiled so far: bucket key -> what it needs beyond persistent_bytes."""
@@ -198,6 +224,7 @@ class ModelRunner:
         src = np.zeros(self.max_num_seqs, np.int32)
         dst = np.zeros(self.max_num_seqs, np.int32)
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+        self._count_h2d("block copies", src.nbytes + dst.nbytes)
         self.kv_caches = self.copy_fns.get(())(self.kv_caches, src, dst)
 
     def _upload_history(self, slot: int) -> None:
@@ -205,18 +232,30 @@ class ModelRunner:
         # A copy: the host row keeps changing while the (asynchronous) upload may still
         # read the buffer it was given.
         row = self.input_batch.token_ids[slot].copy()
+        self._count_h2d("token history", row.nbytes + 4)
         self.token_ids = self.history_fns.get(())(self.token_ids, np.int32(slot), row)
 
+    def _count_h2d(self, part: str, nbytes: int) -> None:
+        self._h2d_before_step[part] = self._h2d_before_step.get(part, 0) + nbytes
+
     def run(self, host: HostStep) -> StepOutput:
-        """Launch the device step for a packed batch (asynchronously: returns futures)."""
+        """Send the per-slot rows that changed, then launch the device step for a packed
+        batch (asynchronously: returns futures)."""
         T, _, W = host.shape
-        md = AttentionMetadata(host.input_ids, host.positions, host.slot_mapping,
-                               host.block_tables, host.seq_lens, host.query_start_loc,
-                               host.num_seqs)
+        h2d, self._h2d_before_step = self._h2d_before_step, {}
+        for name, rows in self.slot_rows.items():
+            h2d[name] = rows.flush()
+        # block_tables: gathered in the step from the device rows.
+        md = AttentionMetadata(host.input_ids, host.positions, host.slot_mapping, None,
+                               host.seq_lens, host.query_start_loc, host.num_seqs)
         bm = BatchMetadata(host.slot_T, host.from_device_T, host.logits_indices, host.slot_S,
                            host.samples_S, host.prompt_targets_T, host.wants_prompt_logprobs_T)
+        h2d["step arguments"] = sum(a.nbytes for a in jax.tree.leaves((md, bm, host.sampling)))
+        self.last_step_h2d = h2d
+        self.total_h2d_bytes += sum(h2d.values())
         out, self.kv_caches, self.token_ids = self.step_fns.get((T, W))(
-            self.state, self.kv_caches, self.token_ids, md, bm, host.sampling)
+            self.state, self.kv_caches, self.token_ids, md, bm, host.sampling,
+            self._slot_tables())
         out.sampled_token_ids.copy_to_host_async()
         return out
 

@@ -2,7 +2,10 @@
 
 Owns the slot-indexed arrays of sampling parameters (`SamplingSlots`: written once when a
 request joins the batch, gathered per step) and the metadata pytree the sampler reads. Never
-touches a device and never does sampling math: that is `sampler.py`.
+touches a device and never does sampling math: that is `sampler.py`. The two wide per-row
+tables, bad words and allowed-token bits, are built here (`bad_words_rows`,
+`allowed_token_bits`) but kept by the input batch as device rows (`device_rows.py`): the
+runner's step gathers them on the device, so its host metadata leaves them None.
 
 Every shape is a bucket constant: S (sequence bucket), W = MAX_MIN_TOKENS_STOP_IDS,
 B x G = MAX_BAD_WORDS x MAX_BAD_WORD_TOKENS, N = ceil(V / 32) words of allowed-token bits (0
@@ -50,11 +53,13 @@ class SamplingMetadata:
     steps: np.ndarray  # [S] int32, output tokens the row already has (folded into its key)
     min_tokens_stop_ids: np.ndarray  # [S, W] int32, ids masked to -inf this step; NO_TOKEN pads
     num_logprobs: np.ndarray  # [S] int32, -1 = the row wants no logprobs
+    penalties: PenaltyMetadata
     # [S, B, G] int32, each bad-word sequence right-aligned (its last token at column G-1),
     # NO_TOKEN to its left and in unused sequences
-    bad_words: np.ndarray
-    allowed_token_bits: np.ndarray  # [S, N] uint32, bit v % 32 of word v // 32; all ones = off
-    penalties: PenaltyMetadata
+    bad_words: np.ndarray | None = None
+    # [S, N] uint32, bit v % 32 of word v // 32; all ones = off
+    allowed_token_bits: np.ndarray | None = None
+    # Both None in the runner's host metadata: its step gathers them from the device rows.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +102,11 @@ def allowed_token_bits(allowed_token_ids: Sequence[int] | None, vocab_size: int)
 
 
 class SamplingSlots:
-    """Sampling parameters of up to `num_slots` requests, one row per slot. vocab_size: the
-    width of the allowed_token_ids bit sets (0: requests may not use them)."""
+    """Sampling parameters of up to `num_slots` requests, one row per slot (the bad words
+    and allowed-token bits excepted: see the module docstring)."""
 
-    def __init__(self, num_slots: int, vocab_size: int = 0):
+    def __init__(self, num_slots: int):
         n = num_slots
-        self.vocab_size = vocab_size
         self.temperature = np.zeros(n, np.float32)
         self.top_k = np.zeros(n, np.int32)
         self.top_p = np.ones(n, np.float32)
@@ -114,8 +118,6 @@ class SamplingSlots:
         self.frequency_penalty = np.zeros(n, np.float32)
         self.repetition_penalty = np.ones(n, np.float32)
         self.num_logprobs = np.full(n, -1, np.int32)
-        self.bad_words = np.full((n, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, np.int32)
-        self.allowed_token_bits = np.full((n, -(-vocab_size // 32)), 0xFFFFFFFF, np.uint32)
 
     def add(self, slot: int, params: SamplingParams, seed: int,
             eos_token_ids: Sequence[int]) -> None:
@@ -134,22 +136,18 @@ class SamplingSlots:
         self.repetition_penalty[slot] = params.repetition_penalty
         self.num_logprobs[slot] = (-1 if params.logprobs is None else ALL_LOGPROBS
                                    if params.logprobs == -1 else params.logprobs)
-        self.bad_words[slot] = bad_words_rows(params.bad_words_token_ids)
-        self.allowed_token_bits[slot] = allowed_token_bits(params.allowed_token_ids,
-                                                           self.vocab_size)
 
     def gather(self, slots: np.ndarray, num_output_tokens: np.ndarray, prompt_lens: np.ndarray,
                num_seqs_padded: int) -> SamplingMetadata:
-        """Rows `slots` (one per real sequence, in batch order) padded to `num_seqs_padded`.
-        num_output_tokens: output tokens each row has before this sample (in-flight ones
-        included); prompt_lens: its prompt length."""
+        """Rows `slots` (one per real sequence, in batch order) padded to `num_seqs_padded`,
+        bad_words and allowed_token_bits None. num_output_tokens: output tokens each row has
+        before this sample (in-flight ones included); prompt_lens: its prompt length."""
         n = len(slots)
         if n > num_seqs_padded:
             raise ValueError(f"{n} rows do not fit the bucket num_seqs_padded="
                              f"{num_seqs_padded}.")
-        md = dummy_sampling_metadata(num_seqs_padded, vocab_size=self.vocab_size)
-        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "num_logprobs",
-                     "bad_words", "allowed_token_bits"):
+        md = dummy_sampling_metadata(num_seqs_padded, slot_rows=False)
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "num_logprobs"):
             getattr(md, name)[:n] = getattr(self, name)[slots]
         md.steps[:n] = num_output_tokens
         below = num_output_tokens < self.min_tokens[slots]
@@ -169,7 +167,7 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], *, num_seqs_padded: int
     runner fills it on the device instead). max_model_len: the history window L. Rows with
     bad_words need params._bad_words_token_ids set (the processor does it at admission);
     rows with allowed_token_ids need vocab_size."""
-    slots = SamplingSlots(max(len(rows), 1), vocab_size)
+    slots = SamplingSlots(max(len(rows), 1))
     token_ids = np.zeros((num_seqs_padded, max_model_len), np.int32)
     for i, row in enumerate(rows):
         slots.add(i, row.params, row.seed, eos_token_ids)
@@ -183,14 +181,21 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], *, num_seqs_padded: int
                       np.array([len(r.output_token_ids) for r in rows], np.int32),
                       np.array([len(r.prompt_token_ids) for r in rows], np.int32),
                       num_seqs_padded)
-    return md.replace(penalties=md.penalties.replace(token_ids=token_ids))
+    padding = dummy_sampling_metadata(num_seqs_padded, vocab_size=vocab_size)
+    bad_words, allowed = padding.bad_words, padding.allowed_token_bits
+    for i, row in enumerate(rows):
+        bad_words[i] = bad_words_rows(row.params.bad_words_token_ids)
+        allowed[i] = allowed_token_bits(row.params.allowed_token_ids, vocab_size)
+    return md.replace(penalties=md.penalties.replace(token_ids=token_ids), bad_words=bad_words,
+                      allowed_token_bits=allowed)
 
 
 def dummy_sampling_metadata(num_seqs_padded: int, max_model_len: int | None = None, *,
-                            vocab_size: int = 0) -> SamplingMetadata:
+                            vocab_size: int = 0, slot_rows: bool = True) -> SamplingMetadata:
     """All-padding metadata of bucket S: greedy rows with every knob off, so they never
     produce NaN or errors. With max_model_len, the penalty history is a zero [S, L] array.
-    vocab_size: the width of the allowed-token bit sets (0: none)."""
+    vocab_size: the width of the allowed-token bit sets (0: none). slot_rows=False leaves
+    bad_words and allowed_token_bits None (the runner's step fills them on the device)."""
     s = num_seqs_padded
     penalties = PenaltyMetadata(
         presence_penalty=np.zeros(s, np.float32),
@@ -209,7 +214,9 @@ def dummy_sampling_metadata(num_seqs_padded: int, max_model_len: int | None = No
         steps=np.zeros(s, np.int32),
         min_tokens_stop_ids=np.full((s, MAX_MIN_TOKENS_STOP_IDS), NO_TOKEN, np.int32),
         num_logprobs=np.full(s, -1, np.int32),
-        bad_words=np.full((s, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, np.int32),
-        allowed_token_bits=np.full((s, -(-vocab_size // 32)), 0xFFFFFFFF, np.uint32),
         penalties=penalties,
+        bad_words=(np.full((s, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, np.int32)
+                   if slot_rows else None),
+        allowed_token_bits=(np.full((s, -(-vocab_size // 32)), 0xFFFFFFFF, np.uint32)
+                            if slot_rows else None),
     )

@@ -15,6 +15,11 @@ does not know yet (`from_device_T`) reads it here. The penalties read it too.
 
     step N   samples o7 for slot 3       -> token_ids_RL[3, 7] = o7
     step N+1 row t: slot 3, position 7   -> input_ids[t] = token_ids_RL[3, 7]   (host sent 0)
+
+The runner's step also reads the persistent batch's per-slot tables on the device (`rows`:
+block tables [R + 1, W_max], bad words, allowed-token bits; runner/device_rows.py) and
+gathers the rows of this step's sequences itself (`with_slot_rows`), so the host sends
+neither the [S, W] block tables nor the sampling tables. They are only read, never donated.
 """
 
 from __future__ import annotations
@@ -64,7 +69,10 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
     sampler.PROMPT_LOGPROBS_CHUNK_BYTES)."""
 
     def step(state, kv_caches, token_ids_RL, md: AttentionMetadata, bm: BatchMetadata,
-             smd: SamplingMetadata):
+             smd: SamplingMetadata, rows: dict[str, jax.Array] | None = None,
+             width: int | None = None):
+        if rows is not None:
+            md, smd = with_slot_rows(md, smd, rows, bm.slot_S, width)
         model = nnx.merge(graphdef, state)
         R = token_ids_RL.shape[0]
         known_T = token_ids_RL.at[bm.slot_T, md.positions].get(mode="fill", fill_value=0)
@@ -92,7 +100,29 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
         return (StepOutput(out.sampled_token_ids, out.logprobs, prompt), kv_caches,
                 token_ids_RL)
 
-    return jax.jit(step, donate_argnums=(1, 2))
+    return jax.jit(step, donate_argnums=(1, 2), static_argnums=7)
+
+
+def with_slot_rows(md: AttentionMetadata, smd: SamplingMetadata, rows: dict[str, jax.Array],
+                   slot_S: jax.Array, width: int) -> tuple[AttentionMetadata, SamplingMetadata]:
+    """Fill the step inputs that the persistent batch keeps on the device
+    (runner/device_rows.py): each table [R + 1, ...] is gathered by the sequences' slots, and
+    padding sequences (slot R) read row R, the fill row. `width`: the block-table width
+    bucket W (static). A per-slot table of a new feature adds its line here."""
+    return (md.replace(block_tables=rows["block_tables"][slot_S, :width]),
+            smd.replace(bad_words=rows["bad_words"][slot_S],
+                        allowed_token_bits=rows["allowed_token_bits"][slot_S]))
+
+
+def abstract_slot_row_inputs(T: int, S: int, W: int, rows: dict[str, jax.Array], sharding=None
+                             ) -> tuple:
+    """(md, bm, smd, rows, W) of a (T, S, W) step whose per-slot rows are the device tables
+    `rows` (the tail of the step's arguments after the token history)."""
+    md, bm, smd = abstract_inputs(T, S, W, sharding)
+    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
+    return (md.replace(block_tables=None), bm,
+            smd.replace(bad_words=None, allowed_token_bits=None),
+            {name: sds(table) for name, table in rows.items()}, W)
 
 
 def abstract_inputs(T: int, S: int, W: int, sharding=None, vocab_size: int = 0

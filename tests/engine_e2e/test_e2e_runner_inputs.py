@@ -66,7 +66,7 @@ def test_update_states_applies_the_messages():
     # D finished and left slot 1; A takes the lowest free slot (1), C the next (2).
     assert batch.req_id_to_slot == {"B": 0, "A": 1, "C": 2}
     b, c = batch.req_id_to_slot["B"], batch.req_id_to_slot["C"]
-    assert batch.block_table[b, :batch.num_blocks[b]].tolist() == [2, 5, 9]
+    assert batch.block_table.host[b, :batch.num_blocks[b]].tolist() == [2, 5, 9]
     assert batch.num_computed_tokens[b] == 8 and batch.num_computed_tokens[c] == 2
     assert batch.token_ids[c, :6].tolist() == C_PROMPT + C_OUTPUT
     assert (batch.num_tokens_known[c], batch.num_tokens[c], batch.num_prompt_tokens[c]) == \
@@ -96,7 +96,7 @@ def test_prepare_packs_the_step_exactly():
     np.testing.assert_array_equal(inp.slot_mapping[:10],
                                   [12, 13, 14, 15, 28, 18, 19, 24, 25, 36])
     assert (inp.slot_mapping[10:] // BLOCK_SIZE == 0).all(), "padding must write the null block"
-    np.testing.assert_array_equal(inp.block_tables,
+    np.testing.assert_array_equal(batch.block_tables(inp),
                                   [[3, 7, 0, 0], [4, 6, 0, 0], [2, 5, 9, 0], [0, 0, 0, 0]])
     np.testing.assert_array_equal(inp.seq_lens, [5, 6, 9, 0])
     np.testing.assert_array_equal(inp.query_start_loc, [0, 5, 9, 10, 10])
@@ -105,7 +105,7 @@ def test_prepare_packs_the_step_exactly():
     np.testing.assert_array_equal(inp.slot_S, [1, 2, 0, R])
     assert not inp.from_device_T.any()
     assert int(inp.num_seqs) == 3
-    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens",
                  "query_start_loc", "logits_indices", "slot_T", "slot_S"):
         assert getattr(inp, name).dtype == np.int32, name
     # Sampling rows follow the batch order; steps = outputs before this sample.
@@ -163,7 +163,7 @@ def test_prepare_pads_to_the_next_token_and_width_bucket():
     assert inp.shape == (32, 4, 8)
     np.testing.assert_array_equal(inp.input_ids[:17], prompt)
     assert not inp.input_ids[17:].any()
-    np.testing.assert_array_equal(inp.block_tables[0], [1, 2, 3, 4, 5, 0, 0, 0])
+    np.testing.assert_array_equal(batch.block_tables(inp)[0], [1, 2, 3, 4, 5, 0, 0, 0])
     np.testing.assert_array_equal(inp.query_start_loc, [0, 17, 17, 17, 17])
     np.testing.assert_array_equal(inp.logits_indices, [16, 0, 0, 0])
     assert inp.samples_S.tolist() == [True, False, False, False]

@@ -55,12 +55,16 @@ def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
     runner = warm_llm.llm_engine.runner
     # One program per token bucket (2, 4, 8, 16, 32) at one width (64 // 16 = 4 blocks):
     # sampling and prompt logprobs run inside the step.
-    assert runner.num_compiles == 5
+    assert runner.step_fns.num_compiles == 5
+    # Beside the steps: the block copy and the history row upload, and one program per
+    # upload bucket of the per-slot device rows: block tables (4), bad words (16, 64, 256,
+    # 512), allowed-token bits (1, 2, 4 rows).
+    assert runner.num_compiles == 5 + 2 + 1 + 4 + 3
     compiled = runner.num_compiles
     long_prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 5)["input_ids"]
     assert 32 < len(long_prompt) < 64  # chunked prefill under the 32-token budget
     prompts = ["Hi", {"prompt_token_ids": long_prompt}, "x y z", "Once upon a time", "A",
-               "The capital of France is"]
+               "The capital of France is", "Hello"]
     params = [
         SamplingParams(temperature=0.0, max_tokens=20),
         SamplingParams(temperature=1.0, seed=3, max_tokens=6),
@@ -70,10 +74,12 @@ def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
         SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=1, logprobs=1,
                        min_tokens=3, stop=["the"]),
         SamplingParams(n=2, temperature=0.9, min_p=0.05, max_tokens=7),
+        SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[11, 500, 4000],
+                       bad_words=["the", "hello world"]),
     ]
     with jax_compile_events() as events:
         outputs = warm_llm.generate(prompts, params, use_tqdm=False)
-    assert [len(o.outputs) for o in outputs] == [1, 1, 1, 1, 1, 2]
+    assert [len(o.outputs) for o in outputs] == [1, 1, 1, 1, 1, 2, 1]
     assert runner.num_compiles == compiled
     assert not events, f"JAX compiled while serving: {dict(events)}"
 
@@ -92,7 +98,7 @@ def test_every_bucket_updates_the_kv_cache_in_place(warm_llm):
 
     runner = warm_llm.llm_engine.runner
     compiled = runner.step_fns.items()
-    assert len(compiled) == runner.num_compiles
+    assert len(compiled) == runner.step_fns.num_compiles
     for key, fn in compiled:
         result = GpuCompileResult(target="cpu", hlo=fn.as_text(), ptx={}, kernels=[],
                                   memory=fn.memory_analysis())

@@ -99,8 +99,8 @@ def build_metadata(new_token_ids: Sequence[Sequence[int]], num_cached: Sequence[
         raise ValueError(f"{sum(num.values())} tokens / {S_real} seqs do not fit the bucket "
                          f"({num_tokens_padded}, {num_seqs_padded})") from e
     return jax.tree.map(jnp.asarray, AttentionMetadata(
-        host.input_ids, host.positions, host.slot_mapping, host.block_tables, host.seq_lens,
-        host.query_start_loc, host.num_seqs))
+        host.input_ids, host.positions, host.slot_mapping, batch.block_tables(host),
+        host.seq_lens, host.query_start_loc, host.num_seqs))
 
 
 def nan_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:

@@ -198,10 +198,16 @@ def test_llama3_8b_sizing_fits_the_budget_on_a_fake_h100():
                                   config.max_model_len // config.block_size,
                                   bucket_widths=False)
     runner = ModelRunner(model, num_blocks=0, block_size=config.block_size,
-                         kv_dtype=jnp.bfloat16, buckets=buckets, attention_backend=get_backend("xla"),
+                         kv_dtype=jnp.bfloat16, buckets=buckets,
+                         attention_backend=get_backend("xla"),
                          max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                          eos_token_ids=(128001,), mesh=make_mesh(1))
-    assert runner.persistent_bytes() == _nbytes(runner.state) + runner.token_ids.nbytes
+    # Weights, the token history and the per-slot tables [R + 1, ...] (runner/device_rows.py):
+    # allowed-token bits [257, 4008] int32 and bad words; the 0-block cache holds nothing.
+    tables = sum(rows.device.nbytes for rows in runner.slot_rows.values())
+    assert runner.slot_rows["allowed_token_bits"].device.shape == (257, 4008)
+    assert runner.persistent_bytes() == (_nbytes(runner.state) + runner.token_ids.nbytes
+                                         + tables)
     memory = DeviceMemory(bytes_limit=H100_BYTES_LIMIT, bytes_in_use=runner.persistent_bytes()
                           + (32 - LAYERS) * layer_bytes)
     per_block = kv_bytes_per_block(_llama3_8b(), config.block_size, jnp.bfloat16)
