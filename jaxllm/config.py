@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.cache import AUTO
-from jaxllm.engine.request_queue import SCHEDULING_POLICIES
 from jaxllm.kernels import ATTENTION_BACKENDS
 from jaxllm.sampling_params import LOGPROBS_MODES
+from jaxllm.scheduling_policy import SCHEDULING_POLICIES
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 29
 CPU_DEFAULT_MAX_MODEL_LEN = 2048

@@ -97,7 +97,7 @@ def _chat_template(value: str | None) -> str | None:
 def serve(argv: list[str]) -> None:
     import uvicorn
 
-    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.async_llm import AsyncLLM
     from jaxllm.entrypoints.openai.api_server import build_app
     from jaxllm.models.resolve import DEFAULT_MODEL
 

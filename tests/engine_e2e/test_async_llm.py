@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from jaxllm import AsyncEngineArgs, AsyncLLM, RequestOutputKind, SamplingParams
-from jaxllm.engine.async_llm import EngineDeadError
+from jaxllm.async_llm import EngineDeadError
 
 from tiny_model import SMALL, greedy, token_ids
 
