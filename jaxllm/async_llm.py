@@ -5,10 +5,15 @@ go to its own asyncio queue, in order, as the engine emits them. Never runs a mo
 the event loop, and never lets one stream's failure reach another.
 
     event loop (asyncio)                          engine thread
-    generate(): check + tokenize (ValueError      loop: take commands (admit, abort)
-      here, before anything is queued)                  LLMEngine.step()  -- device work
-      -> command "admit"  ------------------->          outputs -> each request's queue
+    generate(): check + tokenize, reserve the     loop: take commands (admit, abort)
+      request's ids (ValueError here, before            LLMEngine.step()  -- device work
+      anything is queued)                               outputs -> each request's queue
+      -> command "admit"  ------------------->
     async for out in stream  <--- call_soon_threadsafe ---
+
+Request ids are checked once, by the `RequestIds` the engine shares (engine/request_ids.py):
+it holds every parent and child id from `generate` until the engine thread has finished the
+request, so a request admitted but not yet applied by the engine thread counts too.
 
 Why a thread and not a process: the engine's device step runs without the GIL, and with
 async scheduling its host work overlaps the device (benchmarks/serve.py measures serving
@@ -48,19 +53,31 @@ class AsyncEngineArgs(EngineConfig):
     """The engine arguments of `AsyncLLM.from_engine_args`: the same fields as `LLM(...)`."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity: one stream per request
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    closed: bool = False  # the consumer went away; its request is being dropped
 
     def put(self, item) -> None:
-        """From any thread: hand an output (or an exception) to the consumer."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """From any thread: hand an output (or an exception) to the consumer, if it is
+        still there (outputs may come out of a step before the drop reaches the engine)."""
+        if self.closed:
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # its event loop has closed since: nobody will read this
+            self.closed = True
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, use_tqdm: bool = False):
         self.engine = LLMEngine(config, use_tqdm=use_tqdm)
+        # Streams of unfinished requests: every one hears of the engine's death. Which stream
+        # a request's outputs go to is the engine thread's (_streams), set when it admits the
+        # request, so an id reused right after its request finished never receives (or aborts)
+        # the old request's outputs.
+        self._live: set[_Stream] = set()
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -103,17 +120,14 @@ class AsyncLLM:
         params = sampling_params if sampling_params is not None else SamplingParams()
         engine = self.engine
         processed = engine.processor.process(prompt, params, priority=priority)
-        if request_id is not None and (request_id in self._streams
-                                       or engine.is_live(request_id)):
-            raise ValueError(f"request_id {request_id!r} is already in flight: request ids "
-                             "must be unique among unfinished requests")
+        request_id, = engine.request_ids.reserve([(request_id, params.n)])
         fanned = engine.processor.fan_out(processed, request_id)
-        request_id = fanned.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._send("admit", fanned)
+        self._live.add(stream)
+        self._send("admit", (fanned, stream))
         finished = False
         try:
+            self._check_alive()  # the loop may have died before it could see this stream
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -121,9 +135,10 @@ class AsyncLLM:
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
+            self._live.discard(stream)
+            stream.closed = True
             if not finished and not self.errored:
-                self._send("abort", [request_id])  # the consumer went away
+                self._send("drop", (request_id, stream))  # the consumer went away
 
     async def chat(self, messages, sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, *, chat_template: str | None = None,
@@ -193,7 +208,7 @@ class AsyncLLM:
             self.dead_error = e
             dead = EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}")
             dead.__cause__ = e
-            for stream in list(self._streams.values()):
+            for stream in list(self._live):
                 stream.put(dead)
 
     def _apply_commands(self) -> None:
@@ -203,21 +218,34 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if command == "admit":
-                self.engine.admit(payload)
+                fanned, stream = payload
+                self._streams[fanned.request_id] = stream
+                self.engine.admit(fanned)
             elif command == "call":
                 fn, done = payload
                 try:
                     done.set_result(fn())
                 except Exception as e:  # the caller gets it; the engine goes on
                     done.set_exception(e)
+            elif command == "drop":
+                request_id, stream = payload
+                if self._streams.get(request_id) is stream:
+                    self._abort([request_id])
             else:
-                for out in self.engine.abort_now(payload):
-                    self._deliver(out.request_id, out)
+                self._abort(payload)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for out in self.engine.abort_now(request_ids):
+            self._deliver(out.request_id, out)
 
     def _deliver(self, request_id: str, item) -> None:
+        """On the engine thread: hand an output (or a failure) to its request's stream."""
         stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(item)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]
+        stream.put(item)
 
 
 AsyncLLMEngine = AsyncLLM

@@ -23,6 +23,7 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.processor import FanOut, ProcessedRequest, Processor, PromptInput
 from jaxllm.engine.request import RequestStatus
+from jaxllm.engine.request_ids import RequestIds
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.stat_logger import LoggingStatLogger
 from jaxllm.kernels import default_attention_backend
@@ -55,7 +56,10 @@ def release_free_heap() -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, use_tqdm: bool = True):
+    def __init__(self, config: EngineConfig, use_tqdm: bool = True, *,
+                 request_ids: RequestIds | None = None):
+        """request_ids: the ids in flight, shared with the front end that admits into this
+        engine (AsyncLLM reserves them before its engine thread admits)."""
         cache_dir = compilation_cache_dir(config.compilation_cache_dir)
         enable_compilation_cache(cache_dir)
         accel = _on_accelerator()
@@ -109,7 +113,8 @@ class LLMEngine:
         del model
         self.engine_core = EngineCore(scheduler, runner, config.async_scheduling)
         self.metrics = EngineMetrics(resolved.name)
-        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
+        self.request_ids = request_ids if request_ids is not None else RequestIds()
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics, self.request_ids)
         self._aborted_outputs: list[RequestOutput] = []
         # The periodic stats line; get_metrics() works either way.
         self.stat_logger = None if config.disable_log_stats else LoggingStatLogger()
@@ -156,35 +161,19 @@ class LLMEngine:
         processed: list[ProcessedRequest] = [
             self.processor.process(p, sp, output_kind, priority)
             for p, sp, priority in zip(prompts, params, priorities, strict=True)]
-        self._check_ids(processed, request_ids)
+        ids = self.request_ids.reserve([(rid, r.params.n)
+                                        for r, rid in zip(processed, request_ids, strict=True)])
         fanned: list[FanOut] = [self.processor.fan_out(r, rid, arrival_time)
-                                for r, rid in zip(processed, request_ids)]
+                                for r, rid in zip(processed, ids)]
         for request in fanned:
             self.admit(request)
-        return [r.request_id for r in fanned]
+        return ids
 
     def admit(self, request: FanOut) -> None:
-        """Queue a request the processor has checked and fanned out (its ids unused)."""
+        """Queue a request the processor has checked and fanned out (its ids reserved)."""
         self.output_processor.add_request(request, request.children[0].arrival_time)
         for child in request.children:
             self.engine_core.add_request(child)
-
-    def is_live(self, request_id: str) -> bool:
-        return self.output_processor.is_live(request_id) or request_id in self.scheduler.requests
-
-    def _check_ids(self, processed: list[ProcessedRequest],
-                   request_ids: list[str | None]) -> None:
-        seen: set[str] = set()
-        for request, request_id in zip(processed, request_ids):
-            if request_id is None:
-                continue
-            n = request.params.n
-            ids = [request_id] + ([] if n == 1 else [f"{i}_{request_id}" for i in range(n)])
-            for rid in ids:
-                if rid in seen or self.is_live(rid):
-                    raise ValueError(f"request_id {request_id!r} is already in flight: request "
-                                     "ids must be unique among unfinished requests")
-                seen.add(rid)
 
     def abort_request(self, request_ids) -> None:
         """Abort requests by id (a parent id aborts all its `n` children). Their blocks are
