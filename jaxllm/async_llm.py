@@ -1,26 +1,33 @@
 """AsyncLLM: the asyncio front end, with vLLM's names (`AsyncLLMEngine` is the same class).
 
-Owns the engine loop's thread and the streams between it and asyncio: each request's outputs
-go to its own asyncio queue, in order, as the engine emits them. Never runs a model step on
-the event loop, and never lets one stream's failure reach another.
+Owns the streams between the engines and asyncio (each request's outputs go to its own
+asyncio queue, in order, as its engine emits them), the choice of data-parallel replica for
+each request, and what every replica must hear: aborts, prefix-cache resets, death. Never runs
+a model step on the event loop (each engine steps on its own thread, engine/engine_loop.py),
+and never lets one stream's failure reach another.
 
-    event loop (asyncio)                          engine thread
+    event loop (asyncio)                          engine thread of replica r
     generate(): check + tokenize, reserve the     loop: take commands (admit, abort)
       request's ids (ValueError here, before            LLMEngine.step()  -- device work
-      anything is queued)                               outputs -> each request's queue
+      anything is queued), route it to a                outputs -> each request's queue
+      replica r (engine/dp_router.py)
       -> command "admit"  ------------------->
     async for out in stream  <--- call_soon_threadsafe ---
 
-Request ids are checked once, by the `RequestIds` the engine shares (engine/request_ids.py):
-it holds every parent and child id from `generate` until the engine thread has finished the
-request, so a request admitted but not yet applied by the engine thread counts too.
-
 Why a thread and not a process: the engine's device step runs without the GIL, and with
 async scheduling its host work overlaps the device (benchmarks/serve.py measures serving
-against offline throughput; the choice is recorded there).
+against offline throughput; the choice is recorded there). Data parallelism
+(`data_parallel_size=N`) is N engines in this process, replica r on devices
+[r * tp, (r + 1) * tp), each on its own thread; requests go to the replica that last computed
+their prompt's prefix unless it is a batch busier than the least loaded one.
 
-If the engine loop itself raises (not a failed step, which only fails its own requests), the
-engine is dead: every waiting stream gets `EngineDeadError`, and so does every later call.
+Request ids are checked once, by the `RequestIds` every replica shares
+(engine/request_ids.py): it holds every parent and child id from `generate` until an engine
+thread has finished the request, so a request admitted but not yet applied counts too.
+
+If an engine loop itself raises (not a failed step, which only fails its own requests), the
+whole front end is dead: every waiting stream gets `EngineDeadError`, so does every later
+call, and the other replicas stop.
 """
 
 from __future__ import annotations
@@ -29,14 +36,14 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import queue
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.core import StepFailed
+from jaxllm.engine.dp_router import DPRouter
+from jaxllm.engine.engine_loop import EngineLoop, Stream
 from jaxllm.engine.processor import PromptInput, parse_prompt
+from jaxllm.engine.request_ids import RequestIds
 from jaxllm.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -53,39 +60,25 @@ class AsyncEngineArgs(EngineConfig):
     """The engine arguments of `AsyncLLM.from_engine_args`: the same fields as `LLM(...)`."""
 
 
-@dataclasses.dataclass(eq=False)  # hashed by identity: one stream per request
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    closed: bool = False  # the consumer went away; its request is being dropped
-
-    def put(self, item) -> None:
-        """From any thread: hand an output (or an exception) to the consumer, if it is
-        still there (outputs may come out of a step before the drop reaches the engine)."""
-        if self.closed:
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # its event loop has closed since: nobody will read this
-            self.closed = True
-
-
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, use_tqdm: bool = False):
-        self.engine = LLMEngine(config, use_tqdm=use_tqdm)
-        # Streams of unfinished requests: every one hears of the engine's death. Which stream
-        # a request's outputs go to is the engine thread's (_streams), set when it admits the
-        # request, so an id reused right after its request finished never receives (or aborts)
-        # the old request's outputs.
-        self._live: set[_Stream] = set()
-        self._streams: dict[str, _Stream] = {}
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = False
+        self.request_ids = RequestIds()
+        self.engines = [LLMEngine(config, use_tqdm=use_tqdm, request_ids=self.request_ids,
+                                  data_parallel_rank=rank)
+                        for rank in range(config.data_parallel_size)]
+        # The processor, tokenizer and configuration are the same in every replica: requests
+        # are checked and fanned out by the first one's (one sequence of engine seeds).
+        self.engine = self.engines[0]
+        resolved = self.engine.config
+        self.router = DPRouter(
+            len(self.engines), resolved.block_size, max_imbalance=resolved.max_num_seqs,
+            capacity=sum(e.kv_cache_manager.num_blocks for e in self.engines),
+            prefix_affinity=resolved.enable_prefix_caching)
+        self._live: set[Stream] = set()  # streams of unfinished requests: all hear of death
+        self._stopped = False
         self.dead_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._engine_loop, name="jaxllm-engine-loop",
-                                        daemon=True)
-        self._thread.start()
+        self.loops = [EngineLoop(engine, self._died, f"jaxllm-engine-loop-{rank}")
+                      for rank, engine in enumerate(self.engines)]
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig, **kwargs) -> "AsyncLLM":
@@ -106,7 +99,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self.errored
+        return all(loop.is_alive for loop in self.loops) and not self.errored
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0
@@ -118,16 +111,18 @@ class AsyncLLM:
         self._check_alive()
         prompt = prompt if isinstance(prompt, PromptInput) else parse_prompt(prompt)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        engine = self.engine
-        processed = engine.processor.process(prompt, params, priority=priority)
-        request_id, = engine.request_ids.reserve([(request_id, params.n)])
-        fanned = engine.processor.fan_out(processed, request_id)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        processor = self.engine.processor
+        processed = processor.process(prompt, params, priority=priority)
+        request_id, = self.request_ids.reserve([(request_id, params.n)])
+        fanned = processor.fan_out(processed, request_id)
+        replica = self.router.route(processed.prompt_token_ids)
+        loop = self.loops[replica]
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._live.add(stream)
-        self._send("admit", (fanned, stream))
+        loop.send("admit", (fanned, stream))
         finished = False
         try:
-            self._check_alive()  # the loop may have died before it could see this stream
+            self._check_alive()  # a loop may have died before it could see this stream
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -137,8 +132,9 @@ class AsyncLLM:
         finally:
             self._live.discard(stream)
             stream.closed = True
+            self.router.finished(replica)
             if not finished and not self.errored:
-                self._send("drop", (request_id, stream))  # the consumer went away
+                loop.send("drop", (request_id, stream))  # the consumer went away
 
     async def chat(self, messages, sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, *, chat_template: str | None = None,
@@ -156,96 +152,52 @@ class AsyncLLM:
     async def abort(self, request_id) -> None:
         """Abort a request (a parent id aborts all its children); its stream ends with a
         finish_reason "abort" output."""
-        self._send("abort", [request_id] if isinstance(request_id, str) else list(request_id))
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for loop in self.loops:  # unknown ids are ignored: only the owner acts
+            loop.send("abort", ids)
 
     def get_metrics(self):
-        return self.engine.get_metrics()
+        """Every replica's metrics, told apart by their `engine` label (as vLLM's)."""
+        return [m for engine in self.engines for m in engine.get_metrics()]
 
     async def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix, on the engine thread; False while requests hold
-        blocks."""
+        """Forget every cached prefix, in every replica on its engine thread; False if some
+        replica refused (requests hold blocks there)."""
         self._check_alive()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._send("call", (self.engine.reset_prefix_cache, done))
-        return await asyncio.wrap_future(done)
+        futures = []
+        for loop in self.loops:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            loop.send("call", (loop.engine.reset_prefix_cache, done))
+            futures.append(asyncio.wrap_future(done))
+        results = await asyncio.gather(*futures)
+        for replica, reset in enumerate(results):
+            if reset:
+                self.router.forget(replica)
+        return all(results)
 
     def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+        self._stopped = True
+        for loop in self.loops:
+            loop.stop()
+        for loop in self.loops:
+            loop.join(timeout=30)
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError("the engine loop has died") from self.dead_error
-        if self._stop:
+        if self._stopped:
             raise EngineDeadError("the engine has been shut down")
 
-    def _send(self, command: str, payload) -> None:
-        self._commands.put((command, payload))
-        self._wake.set()
-
-    # ---- the engine thread -------------------------------------------------------------
-
-    def _engine_loop(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stop:
-                self._apply_commands()
-                if not engine.has_unfinished_requests():
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                try:
-                    outputs = engine.step()
-                except StepFailed as failure:
-                    for request_id in failure.request_ids:
-                        self._deliver(request_id, failure)
-                    continue
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-        except BaseException as e:  # the loop itself broke: nothing can run any more
-            logger.exception("the engine loop died")
-            self.dead_error = e
-            dead = EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}")
-            dead.__cause__ = e
-            for stream in list(self._live):
-                stream.put(dead)
-
-    def _apply_commands(self) -> None:
-        while True:
-            try:
-                command, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command == "admit":
-                fanned, stream = payload
-                self._streams[fanned.request_id] = stream
-                self.engine.admit(fanned)
-            elif command == "call":
-                fn, done = payload
-                try:
-                    done.set_result(fn())
-                except Exception as e:  # the caller gets it; the engine goes on
-                    done.set_exception(e)
-            elif command == "drop":
-                request_id, stream = payload
-                if self._streams.get(request_id) is stream:
-                    self._abort([request_id])
-            else:
-                self._abort(payload)
-
-    def _abort(self, request_ids: list[str]) -> None:
-        for out in self.engine.abort_now(request_ids):
-            self._deliver(out.request_id, out)
-
-    def _deliver(self, request_id: str, item) -> None:
-        """On the engine thread: hand an output (or a failure) to its request's stream."""
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        if isinstance(item, BaseException) or item.finished:
-            del self._streams[request_id]
-        stream.put(item)
+    def _died(self, error: BaseException) -> None:
+        """On the dying engine thread: the whole front end is dead, every replica with it."""
+        if self.dead_error is None:
+            self.dead_error = error
+        dead = EngineDeadError(f"the engine loop died: {type(error).__name__}: {error}")
+        dead.__cause__ = error
+        for stream in list(self._live):
+            stream.put(dead)
+        for loop in self.loops:
+            loop.stop()
 
 
 AsyncLLMEngine = AsyncLLM

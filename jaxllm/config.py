@@ -51,6 +51,9 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     gguf_file: str | None = None
     tensor_parallel_size: int = 1  # devices on one "tp" mesh axis (Megatron layout)
+    # Engine replicas behind one AsyncLLM / server, replica r on devices [r*tp, (r+1)*tp)
+    # (jaxllm/async_llm.py); LLM(...) runs one engine and refuses more.
+    data_parallel_size: int = 1
     # Schedule step N+1 while step N runs (vLLM's async scheduler); same outputs either way.
     async_scheduling: bool = True
     # Reuse the KV blocks of prompt prefixes already computed (vLLM v1's default: on).
@@ -68,7 +71,7 @@ class EngineConfig:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
         for name in ("seed", "block_size", "max_logprobs", "tensor_parallel_size",
-                     "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                     "data_parallel_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "kv_cache_memory_bytes", "num_gpu_blocks_override"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
@@ -103,9 +106,9 @@ class EngineConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got "
                              f"{self.logprobs_mode!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got "
-                             f"{self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if (self.max_num_seqs and self.max_num_batched_tokens
                 and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError(

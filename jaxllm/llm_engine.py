@@ -45,6 +45,18 @@ def _on_accelerator() -> bool:
     return jax.default_backend() != "cpu"
 
 
+def replica_devices(config: EngineConfig, data_parallel_rank: int) -> list:
+    """The devices of one data-parallel replica: tensor_parallel_size of them, in order."""
+    tp, dp = config.tensor_parallel_size, config.data_parallel_size
+    if not 0 <= data_parallel_rank < dp:
+        raise ValueError(f"data_parallel_rank must be in [0, {dp}), got {data_parallel_rank}")
+    devices = jax.devices()
+    if len(devices) < tp * dp:
+        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs "
+                         f"{tp * dp} devices, but only {len(devices)} are available")
+    return devices[data_parallel_rank * tp:(data_parallel_rank + 1) * tp]
+
+
 def release_free_heap() -> None:
     """Hand memory that loading and compiling freed back to the OS: glibc keeps freed heap
     pages resident, and the KV cache and executables that come next are mapped afresh. A
@@ -57,16 +69,19 @@ def release_free_heap() -> None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, use_tqdm: bool = True, *,
-                 request_ids: RequestIds | None = None):
+                 request_ids: RequestIds | None = None, data_parallel_rank: int = 0):
         """request_ids: the ids in flight, shared with the front end that admits into this
-        engine (AsyncLLM reserves them before its engine thread admits)."""
+        engine (AsyncLLM reserves them before its engine thread admits).
+        data_parallel_rank: which replica this is (of config.data_parallel_size, AsyncLLM
+        builds them): it runs on devices [rank * tp, (rank + 1) * tp)."""
         cache_dir = compilation_cache_dir(config.compilation_cache_dir)
         enable_compilation_cache(cache_dir)
         accel = _on_accelerator()
         dtype = resolve_dtype(config.dtype, jax.default_backend())
         resolved = resolve_model(config.model or DEFAULT_MODEL, gguf_file=config.gguf_file)
         t0 = time.perf_counter()
-        mesh = make_mesh(config.tensor_parallel_size)
+        mesh = make_mesh(config.tensor_parallel_size,
+                         devices=replica_devices(config, data_parallel_rank))
         model, mcfg, gen, self.tokenizer = load_checkpoint(
             resolved, dtype, sharding=param_sharding(mesh),
             tokenizer=config.tokenizer, use_cache=cache_dir is not None)
@@ -112,7 +127,7 @@ class LLMEngine:
                              max_logprobs=config.max_logprobs)
         del model
         self.engine_core = EngineCore(scheduler, runner, config.async_scheduling)
-        self.metrics = EngineMetrics(resolved.name)
+        self.metrics = EngineMetrics(resolved.name, engine_index=data_parallel_rank)
         self.request_ids = request_ids if request_ids is not None else RequestIds()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics, self.request_ids)
         self._aborted_outputs: list[RequestOutput] = []

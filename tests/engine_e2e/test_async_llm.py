@@ -262,3 +262,12 @@ def test_ids_are_checked_before_the_engine_thread_admits(engine):
     assert isinstance(second, ValueError) and "runs its samples as '0_y'" in str(second)
     assert len(first[-1].outputs[0].token_ids) == 5 and engine.is_running
     assert_idle(engine)
+
+
+def test_data_parallel_replicas_need_their_own_devices(tiny_model_dir):
+    import jax
+
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match=f"data_parallel_size={n + 1} x tensor_parallel_size=1 "
+                                         f"needs {n + 1} devices, but only {n} are available"):
+        AsyncLLM(AsyncEngineArgs(model=tiny_model_dir, data_parallel_size=n + 1))

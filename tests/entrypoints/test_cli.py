@@ -27,3 +27,11 @@ def test_bool_flags_alone_or_with_a_value():
                               "false"])
     assert (engine.model, engine.enforce_eager, engine.enable_prefix_caching) == (
         "some-model", True, False)
+
+
+def test_data_parallel_size_flag():
+    assert resolve_args([])[1].data_parallel_size == 1
+    _, engine = resolve_args(["--data-parallel-size", "2", "--tensor-parallel-size", "4"])
+    assert (engine.data_parallel_size, engine.tensor_parallel_size) == (2, 4)
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1, got 0"):
+        resolve_args(["--data-parallel-size", "0"])
