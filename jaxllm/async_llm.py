@@ -181,6 +181,8 @@ class AsyncLLM:
             loop.stop()
         for loop in self.loops:
             loop.join(timeout=30)
+        for engine in self.engines:
+            engine.shutdown()  # with several processes: the followers stop
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:

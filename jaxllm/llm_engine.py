@@ -18,6 +18,7 @@ import jax
 
 from jaxllm.cache import compilation_cache_dir, enable_compilation_cache
 from jaxllm.config import EngineConfig
+from jaxllm.distributed.launch import process_group
 from jaxllm.engine.core import EngineCore, StepFailed
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.output_processor import OutputProcessor
@@ -73,7 +74,12 @@ class LLMEngine:
         """request_ids: the ids in flight, shared with the front end that admits into this
         engine (AsyncLLM reserves them before its engine thread admits).
         data_parallel_rank: which replica this is (of config.data_parallel_size, AsyncLLM
-        builds them): it runs on devices [rank * tp, (rank + 1) * tp)."""
+        builds them): it runs on devices [rank * tp, (rank + 1) * tp).
+        With nnodes > 1 every process builds this engine from the same arguments; on
+        node_rank > 0 the constructor then replays the leader's steps until the leader shuts
+        down, and returns an engine that refuses requests (jaxllm/distributed/)."""
+        # First: several processes need jax.distributed before anything starts jax.
+        self.process_group = process_group(config)
         cache_dir = compilation_cache_dir(config.compilation_cache_dir)
         enable_compilation_cache(cache_dir)
         accel = _on_accelerator()
@@ -106,7 +112,9 @@ class LLMEngine:
                                    extra_eos_ids=extra_eos_ids, engine_seed=config.seed,
                                    scheduling_policy=config.scheduling_policy)
 
-        num_blocks = determine_num_blocks(config, mcfg, dtype)
+        # Every process must hold the same cache: the smallest that fits everywhere.
+        num_blocks = self.process_group.agree_min(
+            "num_blocks", determine_num_blocks(config, mcfg, dtype))
         kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.max_model_len,
                                           enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(kv_cache_manager, config.max_num_seqs,
@@ -126,7 +134,9 @@ class LLMEngine:
                              logprobs_mode=config.logprobs_mode,
                              max_logprobs=config.max_logprobs)
         del model
-        self.engine_core = EngineCore(scheduler, runner, config.async_scheduling)
+        self.model_runner = runner
+        self.engine_core = EngineCore(scheduler, self.process_group.executor(runner),
+                                      config.async_scheduling)
         self.metrics = EngineMetrics(resolved.name, engine_index=data_parallel_rank)
         self.request_ids = request_ids if request_ids is not None else RequestIds()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics, self.request_ids)
@@ -139,6 +149,7 @@ class LLMEngine:
             runner.warmup(use_tqdm=use_tqdm)
             self.warmup_seconds = time.perf_counter() - t0
         release_free_heap()
+        self.process_group.follow(runner)  # node_rank > 0: until the leader shuts down
 
     # The pieces, by their vLLM names.
     @property
@@ -147,7 +158,7 @@ class LLMEngine:
 
     @property
     def runner(self) -> ModelRunner:
-        return self.engine_core.runner
+        return self.model_runner
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -171,6 +182,7 @@ class LLMEngine:
         """Admit a batch, all or nothing: every prompt is tokenized and checked, and every
         id checked for collisions, before the first one is queued. output_kind overrides
         the params' (LLM.generate uses FINAL_ONLY); priorities: one per prompt (0)."""
+        self.process_group.check_leader()  # before any id is taken
         request_ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
         priorities = list(priorities) if priorities is not None else [0] * len(prompts)
         processed: list[ProcessedRequest] = [
@@ -186,6 +198,7 @@ class LLMEngine:
 
     def admit(self, request: FanOut) -> None:
         """Queue a request the processor has checked and fanned out (its ids reserved)."""
+        self.process_group.check_leader()
         self.output_processor.add_request(request, request.children[0].arrival_time)
         for child in request.children:
             self.engine_core.add_request(child)
@@ -242,6 +255,11 @@ class LLMEngine:
 
     def get_metrics(self):
         return self.metrics.snapshot(self.scheduler.make_stats())
+
+    def shutdown(self) -> None:
+        """With several processes: tell the followers to stop (also done at exit). The
+        engine takes no steps after this."""
+        self.process_group.shutdown()
 
 
 __all__ = ["LLMEngine"]

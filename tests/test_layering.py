@@ -5,6 +5,7 @@ what a module pulls in transitively is what a user of that layer pays for, and a
 three imports deep (runner -> config -> engine) is invisible to a grep of import lines.
 
   the runner (jaxllm/runner)        imports no jaxllm.engine module
+  jaxllm/distributed                the same: it carries scheduler outputs to runners
   the engine (jaxllm/engine)        imports no jax, jaxlib or flax
   jaxllm.messages                   imports no layer (engine, runner, models, kernels, the
                                     front ends, entrypoints, distributed)
@@ -53,6 +54,12 @@ def in_layers(loaded: set[str], layers) -> list[str]:
 def test_the_runner_imports_nothing_from_the_engine():
     loaded = loaded_after_importing(modules_of("jaxllm.runner"))
     assert "jaxllm.runner.model_runner" in loaded and "jax" in loaded  # the import happened
+    assert in_layers(loaded, ["jaxllm.engine"]) == []
+
+
+def test_the_distributed_executor_imports_nothing_from_the_engine():
+    loaded = loaded_after_importing(modules_of("jaxllm.distributed"))
+    assert "jaxllm.distributed.executor" in loaded
     assert in_layers(loaded, ["jaxllm.engine"]) == []
 
 
