@@ -51,6 +51,8 @@ _SCRIPT = textwrap.dedent("""
         assert first[0].outputs[0].logprobs and len(first[0].outputs[0].logprobs) == 10
         llm.llm_engine.engine_core.async_scheduling = False  # the execute_model path
         again = llm.generate(prompts, params, use_tqdm=False)  # and prefix-cache hits
+        cached = [o.num_cached_tokens for o in again]
+        assert cached[1] >= 16 and cached[2] >= 32, cached
         assert runner.num_compiles == warm, "compiled after warm-up"
         tp4 = time.perf_counter() - t0
         # TP=1 on this process's first device; the follower waits for the next step, until
@@ -59,7 +61,7 @@ _SCRIPT = textwrap.dedent("""
         expected = tokens(single.generate(prompts, params, use_tqdm=False))
         assert tokens(first) == expected, (tokens(first), expected)
         assert tokens(again) == expected, (tokens(again), expected)
-        print("LEADER OK", json.dumps(expected), "TP=4 part %.1f s" % tp4)
+        print("LEADER OK", json.dumps(expected), "cached", cached, "TP=4 part %.1f s" % tp4)
     else:
         # The constructor returned: the leader has shut down (at its exit).
         assert runner.num_compiles == warm, "compiled after warm-up"

@@ -54,3 +54,19 @@ def test_multi_node_flags_and_headless_followers():
     with pytest.raises(ValueError, match="data_parallel_size .2. > 1 with nnodes .2. > 1 is "
                                          "not supported"):
         resolve_args(args + ["--data-parallel-size", "2"])
+
+
+def test_a_headless_follower_builds_the_engine_and_serves_no_api(monkeypatch):
+    import uvicorn
+
+    import jaxllm.llm_engine
+    from jaxllm.entrypoints import cli
+
+    built = []
+    monkeypatch.setattr(jaxllm.llm_engine, "LLMEngine",
+                        lambda config, use_tqdm: built.append(config))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("a follower served"))
+    monkeypatch.setattr(cli, "_log_to_stderr", lambda: None)  # leave the logger alone
+    cli.serve(["m", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
+               "--headless"])
+    assert [(c.model, c.nnodes, c.node_rank) for c in built] == [("m", 2, 1)]
