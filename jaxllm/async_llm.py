@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,8 +46,6 @@ from jaxllm.engine.request_ids import RequestIds
 from jaxllm.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):

@@ -9,7 +9,8 @@ what a message means (executor.py does).
     follower recv():   blocking get of <prefix>/<rank>/<seq>, then delete it, seq += 1
 
 Each follower reads and deletes its own copy, so no key outlives its reader and the leader
-never waits for anyone: sending costs one set per follower (a small RPC to the service).
+never waits for anyone: sending costs one set per follower (a small RPC to the service), one
+message per engine step (executor.py batches the calls of a step).
 
 Timeouts. A follower waits for the next message in POLL_SECONDS slices, forever while the
 leader lives (a server may be idle for hours). It does not need a timeout to notice a dead

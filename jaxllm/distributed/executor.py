@@ -9,9 +9,14 @@ on its own `ModelRunner`, built from the same arguments:
     dispatch(so)  -> send ("dispatch", 7, so)  -> runner.dispatch(so)   pending[7]
                      runner.dispatch(so)           (the same jitted step: its collectives
                                                     meet the leader's)
-    fetch(p7)     -> send ("fetch", 7)         -> runner.fetch(pending.pop(7))
+    fetch(p7)     -> ("fetch", 7), sent with   -> runner.fetch(pending.pop(7))
+                     the next message
     execute_model(so), reset_device_state()   -> the same call
     shutdown()    -> send ("shutdown",)        -> follow() returns
+
+A fetch moves no data between processes, so it travels with the next call rather than on its
+own: with async scheduling that is one message per step (fetch N, dispatch N + 2), and the
+follower still replays the calls in the leader's order, which its host-side batch depends on.
 
 So no rank can diverge: followers never schedule, they replay. Fetching on a follower reads
 only its addressable copy of the replicated outputs, and keeps its host-side batch (which
@@ -52,6 +57,7 @@ class DistributedExecutor:
         self.runner = runner
         self.channel = channel
         self._steps = itertools.count()
+        self._deferred: list[tuple] = []  # fetches not sent yet
         self._shut_down = False
 
     def dispatch(self, so) -> Dispatched | None:
@@ -63,7 +69,7 @@ class DistributedExecutor:
     def fetch(self, dispatched: Dispatched | None):
         if dispatched is None:
             return self.runner.fetch(None)
-        self._send("fetch", dispatched.step)
+        self._deferred.append(("fetch", dispatched.step))
         return self.runner.fetch(dispatched.pending)
 
     def execute_model(self, so):
@@ -80,15 +86,17 @@ class DistributedExecutor:
     def shutdown(self) -> None:
         """Tell every follower to stop (once; later steps are refused)."""
         if not self._shut_down:
+            self._send("shutdown")
             self._shut_down = True
-            self.channel.send(("shutdown",))
             logger.info("told %d followers to stop", self.channel.num_processes - 1)
 
     def _send(self, *message) -> None:
+        """Send the deferred fetches and this call, in order, as one message."""
         if self._shut_down:
             raise RuntimeError("this multi-process engine has been shut down: its followers "
                                "have stopped")
-        self.channel.send(message)
+        self.channel.send([*self._deferred, message])
+        self._deferred.clear()
 
 
 def follow(runner, channel: Channel) -> int:
@@ -96,27 +104,35 @@ def follow(runner, channel: Channel) -> int:
     pending: dict[int, object] = {}
     steps = 0
     while True:
-        method, *args = channel.recv()
-        if method == "shutdown":
-            return steps
-        try:
-            if method == "dispatch":
-                step, so = args
-                result = runner.dispatch(so)
-                if result is not None:
-                    pending[step] = result
-                    steps += 1
-            elif method == "fetch":
-                step, = args
-                for older in [s for s in pending if s < step]:
-                    del pending[older]  # the leader dropped it unfetched
-                runner.fetch(pending.pop(step))
-            elif method == "execute_model":
-                runner.execute_model(*args)
-                steps += 1
-            elif method == "reset_device_state":
-                runner.reset_device_state()
-            else:
-                raise ValueError(f"unknown executor message {method!r}")
-        except Exception:  # the leader's engine core saw the same failure and goes on
-            logger.exception("replaying %s failed (as it will have on the leader)", method)
+        for method, *args in channel.recv():
+            if method == "shutdown":
+                return steps
+            steps += _replay(runner, pending, method, args)
+
+
+def _replay(runner, pending: dict[int, object], method: str, args) -> int:
+    """Run one of the leader's calls; -> steps it ran (0 or 1)."""
+    try:
+        if method == "dispatch":
+            step, so = args
+            result = runner.dispatch(so)
+            if result is None:
+                return 0
+            pending[step] = result
+            return 1
+        if method == "fetch":
+            step, = args
+            for older in [s for s in pending if s < step]:
+                del pending[older]  # the leader dropped it unfetched
+            runner.fetch(pending.pop(step))
+            return 0
+        if method == "execute_model":
+            runner.execute_model(*args)
+            return 1
+        if method == "reset_device_state":
+            runner.reset_device_state()
+            return 0
+        raise ValueError(f"unknown executor message {method!r}")
+    except Exception:  # the leader's engine core saw the same failure and goes on
+        logger.exception("replaying %s failed (as it will have on the leader)", method)
+        return 0
