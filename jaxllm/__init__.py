@@ -10,9 +10,9 @@ from jaxllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E4
 # These pull in jax and the models: import them on first use so `import jaxllm` stays light.
 _LAZY = {
     "LLM": ("jaxllm.llm", "LLM"),
-    "AsyncLLM": ("jaxllm.engine.async_llm", "AsyncLLM"),
-    "AsyncLLMEngine": ("jaxllm.engine.async_llm", "AsyncLLMEngine"),
-    "AsyncEngineArgs": ("jaxllm.engine.async_llm", "AsyncEngineArgs"),
+    "AsyncLLM": ("jaxllm.async_llm", "AsyncLLM"),
+    "AsyncLLMEngine": ("jaxllm.async_llm", "AsyncLLMEngine"),
+    "AsyncEngineArgs": ("jaxllm.async_llm", "AsyncEngineArgs"),
     "BeamSearchParams": ("jaxllm.beam_search", "BeamSearchParams"),
 }
 

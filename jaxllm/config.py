@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.cache import AUTO
-from jaxllm.engine.request_queue import SCHEDULING_POLICIES
 from jaxllm.kernels import ATTENTION_BACKENDS
 from jaxllm.sampling_params import LOGPROBS_MODES
+from jaxllm.scheduling_policy import SCHEDULING_POLICIES
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 29
 CPU_DEFAULT_MAX_MODEL_LEN = 2048
@@ -51,6 +51,15 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     gguf_file: str | None = None
     tensor_parallel_size: int = 1  # devices on one "tp" mesh axis (Megatron layout)
+    # Engine replicas behind one AsyncLLM / server, replica r on devices [r*tp, (r+1)*tp)
+    # (jaxllm/async_llm.py); LLM(...) runs one engine and refuses more.
+    data_parallel_size: int = 1
+    # Several processes (nodes) as one engine on jax.distributed (jaxllm/distributed/):
+    # vLLM's names. Every process passes the same arguments but node_rank; node 0 schedules.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # the leader's address: JAX's coordination service
+    master_port: int = 29501
     # Schedule step N+1 while step N runs (vLLM's async scheduler); same outputs either way.
     async_scheduling: bool = True
     # Reuse the KV blocks of prompt prefixes already computed (vLLM v1's default: on).
@@ -63,11 +72,12 @@ class EngineConfig:
     disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("model", "tokenizer", "gguf_file", "compilation_cache_dir"):
+        for name in ("model", "tokenizer", "gguf_file", "compilation_cache_dir", "master_addr"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
         for name in ("seed", "block_size", "max_logprobs", "tensor_parallel_size",
+                     "data_parallel_size", "nnodes", "node_rank", "master_port",
                      "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "kv_cache_memory_bytes", "num_gpu_blocks_override"):
             value = getattr(self, name)
@@ -103,9 +113,18 @@ class EngineConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got "
                              f"{self.logprobs_mode!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got "
-                             f"{self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got "
+                             f"{self.node_rank}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size ({self.data_parallel_size}) > 1 with nnodes "
+                             f"({self.nnodes}) > 1 is not supported: data parallelism runs "
+                             "its replicas in one process")
         if (self.max_num_seqs and self.max_num_batched_tokens
                 and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError(

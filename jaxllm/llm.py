@@ -45,6 +45,11 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override, enforce_eager=enforce_eager,
             disable_log_stats=disable_log_stats, **kwargs)
+        if config.data_parallel_size > 1:
+            # As in vLLM: one LLM drives one engine from the caller's thread.
+            raise ValueError(f"LLM(...) runs one engine; data_parallel_size="
+                             f"{config.data_parallel_size} is served by AsyncLLM and "
+                             "`jaxllm serve --data-parallel-size N`")
         self.llm_engine = LLMEngine(config, use_tqdm=use_tqdm_on_load)
 
     def get_tokenizer(self):

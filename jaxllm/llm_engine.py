@@ -18,11 +18,13 @@ import jax
 
 from jaxllm.cache import compilation_cache_dir, enable_compilation_cache
 from jaxllm.config import EngineConfig
+from jaxllm.distributed.launch import process_group
 from jaxllm.engine.core import EngineCore, StepFailed
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.processor import FanOut, ProcessedRequest, Processor, PromptInput
 from jaxllm.engine.request import RequestStatus
+from jaxllm.engine.request_ids import RequestIds
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.stat_logger import LoggingStatLogger
 from jaxllm.kernels.backends import select_backend
@@ -46,6 +48,18 @@ def _on_accelerator() -> bool:
     return jax.default_backend() != "cpu"
 
 
+def replica_devices(config: EngineConfig, data_parallel_rank: int) -> list:
+    """The devices of one data-parallel replica: tensor_parallel_size of them, in order."""
+    tp, dp = config.tensor_parallel_size, config.data_parallel_size
+    if not 0 <= data_parallel_rank < dp:
+        raise ValueError(f"data_parallel_rank must be in [0, {dp}), got {data_parallel_rank}")
+    devices = jax.devices()
+    if len(devices) < tp * dp:
+        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs "
+                         f"{tp * dp} devices, but only {len(devices)} are available")
+    return devices[data_parallel_rank * tp:(data_parallel_rank + 1) * tp]
+
+
 def release_free_heap() -> None:
     """Hand memory that loading and compiling freed back to the OS: glibc keeps freed heap
     pages resident, and the KV cache and executables that come next are mapped afresh. A
@@ -58,9 +72,19 @@ def release_free_heap() -> None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, use_tqdm: bool = True, *,
+                 request_ids: RequestIds | None = None, data_parallel_rank: int = 0,
                  read_device_memory: Callable[[Iterable], DeviceMemory | None] = device_memory):
-        """read_device_memory(devices): the accelerator memory the KV cache is sized from
-        (runner/kv_cache.py); None on CPU. Tests pass a fake device's."""
+        """request_ids: the ids in flight, shared with the front end that admits into this
+        engine (AsyncLLM reserves them before its engine thread admits).
+        data_parallel_rank: which replica this is (of config.data_parallel_size, AsyncLLM
+        builds them): it runs on devices [rank * tp, (rank + 1) * tp).
+        read_device_memory(devices): the accelerator memory the KV cache is sized from
+        (runner/kv_cache.py); None on CPU. Tests pass a fake device's.
+        With nnodes > 1 every process builds this engine from the same arguments; on
+        node_rank > 0 the constructor then replays the leader's steps until the leader shuts
+        down, and returns an engine that refuses requests (jaxllm/distributed/)."""
+        # First: several processes need jax.distributed before anything starts jax.
+        self.process_group = process_group(config)
         cache_dir = compilation_cache_dir(config.compilation_cache_dir)
         enable_compilation_cache(cache_dir)
         accel = _on_accelerator()
@@ -69,7 +93,8 @@ class LLMEngine:
         # Chosen before loading: a backend that cannot run here fails at once.
         backend = select_backend(config.attention_backend)
         t0 = time.perf_counter()
-        placement = Placement(make_mesh(config.tensor_parallel_size))
+        placement = Placement(make_mesh(config.tensor_parallel_size,
+                                        devices=replica_devices(config, data_parallel_rank)))
         model, mcfg, gen, self.tokenizer = load_checkpoint(
             resolved, dtype, placement=placement,
             tokenizer=config.tokenizer, use_cache=cache_dir is not None)
@@ -112,21 +137,26 @@ class LLMEngine:
                              max_logprobs=config.max_logprobs)
         del model
         # The figures behind num_blocks on an accelerator (None where the config or the CPU
-        # default decides).
-        self.kv_sizing = sizing = self._profile(
-            runner, read_device_memory(placement.mesh.devices.flat), dtype)
+        # default decides). Each process reads its own devices.
+        local = [d for d in placement.mesh.devices.flat if d.process_index == jax.process_index()]
+        self.kv_sizing = sizing = self._profile(runner, read_device_memory(local), dtype)
         # The loaded model's config: its KV heads are the layout's (replicated when tp > K).
-        num_blocks = determine_num_blocks(config, runner.model_config, dtype,
-                                          tp=config.tensor_parallel_size, sizing=sizing)
+        # Every process must hold the same cache: the smallest that fits everywhere.
+        num_blocks = self.process_group.agree_min(
+            "num_blocks", determine_num_blocks(config, runner.model_config, dtype,
+                                               tp=config.tensor_parallel_size, sizing=sizing))
         runner.initialize_kv_cache(num_blocks)
         kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.max_model_len,
                                           enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(kv_cache_manager, config.max_num_seqs,
                               config.max_num_batched_tokens, config.max_model_len,
                               policy=config.scheduling_policy)
-        self.engine_core = EngineCore(scheduler, runner, config.async_scheduling)
-        self.metrics = EngineMetrics(resolved.name)
-        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
+        self.model_runner = runner
+        self.engine_core = EngineCore(scheduler, self.process_group.executor(runner),
+                                      config.async_scheduling)
+        self.metrics = EngineMetrics(resolved.name, engine_index=data_parallel_rank)
+        self.request_ids = request_ids if request_ids is not None else RequestIds()
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics, self.request_ids)
         self._aborted_outputs: list[RequestOutput] = []
         # The periodic stats line; get_metrics() works either way.
         self.stat_logger = None if config.disable_log_stats else LoggingStatLogger()
@@ -141,6 +171,7 @@ class LLMEngine:
             runner.step_fns.on_compile = lambda key, fn: self.kv_sizing.warn_if_over(
                 key, StepMemory.of(fn.memory_analysis(), runner.persistent_bytes()))
         release_free_heap()
+        self.process_group.follow(runner)  # node_rank > 0: until the leader shuts down
 
     def _profile(self, runner: ModelRunner, memory: DeviceMemory | None,
                  dtype) -> KVCacheSizing | None:
@@ -165,7 +196,7 @@ class LLMEngine:
 
     @property
     def runner(self) -> ModelRunner:
-        return self.engine_core.runner
+        return self.model_runner
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -189,40 +220,26 @@ class LLMEngine:
         """Admit a batch, all or nothing: every prompt is tokenized and checked, and every
         id checked for collisions, before the first one is queued. output_kind overrides
         the params' (LLM.generate uses FINAL_ONLY); priorities: one per prompt (0)."""
+        self.process_group.check_leader()  # before any id is taken
         request_ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
         priorities = list(priorities) if priorities is not None else [0] * len(prompts)
         processed: list[ProcessedRequest] = [
             self.processor.process(p, sp, output_kind, priority)
             for p, sp, priority in zip(prompts, params, priorities, strict=True)]
-        self._check_ids(processed, request_ids)
+        ids = self.request_ids.reserve([(rid, r.params.n)
+                                        for r, rid in zip(processed, request_ids, strict=True)])
         fanned: list[FanOut] = [self.processor.fan_out(r, rid, arrival_time)
-                                for r, rid in zip(processed, request_ids)]
+                                for r, rid in zip(processed, ids)]
         for request in fanned:
             self.admit(request)
-        return [r.request_id for r in fanned]
+        return ids
 
     def admit(self, request: FanOut) -> None:
-        """Queue a request the processor has checked and fanned out (its ids unused)."""
+        """Queue a request the processor has checked and fanned out (its ids reserved)."""
+        self.process_group.check_leader()
         self.output_processor.add_request(request, request.children[0].arrival_time)
         for child in request.children:
             self.engine_core.add_request(child)
-
-    def is_live(self, request_id: str) -> bool:
-        return self.output_processor.is_live(request_id) or request_id in self.scheduler.requests
-
-    def _check_ids(self, processed: list[ProcessedRequest],
-                   request_ids: list[str | None]) -> None:
-        seen: set[str] = set()
-        for request, request_id in zip(processed, request_ids):
-            if request_id is None:
-                continue
-            n = request.params.n
-            ids = [request_id] + ([] if n == 1 else [f"{i}_{request_id}" for i in range(n)])
-            for rid in ids:
-                if rid in seen or self.is_live(rid):
-                    raise ValueError(f"request_id {request_id!r} is already in flight: request "
-                                     "ids must be unique among unfinished requests")
-                seen.add(rid)
 
     def abort_request(self, request_ids) -> None:
         """Abort requests by id (a parent id aborts all its `n` children). Their blocks are
@@ -276,6 +293,11 @@ class LLMEngine:
 
     def get_metrics(self):
         return self.metrics.snapshot(self.scheduler.make_stats())
+
+    def shutdown(self) -> None:
+        """With several processes: tell the followers to stop (also done at exit). The
+        engine takes no steps after this."""
+        self.process_group.shutdown()
 
 
 __all__ = ["LLMEngine"]

@@ -79,8 +79,9 @@ HISTOGRAMS = {  # name -> buckets (vLLM's histograms, under jaxllm:)
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str):
-        self.labels = {"model_name": model_name}
+    def __init__(self, model_name: str, engine_index: int = 0):
+        """engine_index: the data-parallel replica, vLLM's `engine` label on every metric."""
+        self.labels = {"model_name": model_name, "engine": str(engine_index)}
         self.finished_by_reason: _Tally[str] = _Tally()
         self.histograms = {name: _Observations(b) for name, b in HISTOGRAMS.items()}
 

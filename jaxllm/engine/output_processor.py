@@ -12,7 +12,8 @@ Streamed text never shows the last `len(longest stop string) - 1` characters of 
 request (they may turn out to start a stop string) nor a character still missing bytes, so
 the concatenation of DELTA outputs is exactly the final output. Never schedules: when a stop
 string ends a request, it reports the id back so the engine finishes it in the scheduler; an
-abort names the child ids the engine core must drop.
+abort names the child ids the engine core must drop. When a parent's last child ends, its ids
+are released (engine/request_ids.py), on the engine's thread, before its outputs are handed on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.logprobs import LogprobsProcessor
 from jaxllm.engine.processor import FanOut
+from jaxllm.engine.request_ids import RequestIds
 from jaxllm.messages import EngineCoreOutput
 from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
@@ -58,10 +60,13 @@ class ChildState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, metrics=None):
-        """metrics: a jaxllm.metrics.EngineMetrics that sees each request's latencies."""
+    def __init__(self, tokenizer, metrics=None, request_ids: RequestIds | None = None):
+        """metrics: a jaxllm.metrics.EngineMetrics that sees each request's latencies.
+        request_ids: where a parent's ids are released once its last child has ended (the
+        front end reserved them)."""
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.request_ids = request_ids if request_ids is not None else RequestIds()
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, ChildState] = {}
 
@@ -77,10 +82,6 @@ class OutputProcessor:
                 parent, index, params,
                 IncrementalDetokenizer(tok, params, parent.prompt_token_ids),
                 LogprobsProcessor(params, tok))
-
-    def is_live(self, request_id: str) -> bool:
-        """Is this id (a parent's or a child's) still producing output?"""
-        return request_id in self.parents or request_id in self.children
 
     def abort_requests(self, request_ids) -> tuple[list[str], list[RequestOutput]]:
         """Abort parents (all their children) or single children, by id. -> (the child ids the
@@ -164,6 +165,7 @@ class OutputProcessor:
         if done:
             parent.metrics.finished_time = now
             del self.parents[parent.request_id]
+            self.request_ids.release(parent.request_id)
             if self.metrics is not None:
                 completions = list(parent.completions.values())
                 self.metrics.record_request(

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jaxllm.engine.request_ids import child_request_ids
 from jaxllm.messages import EngineCoreRequest
 from jaxllm.sampling_limits import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, banned_until_min_tokens,
                                     request_seed)
@@ -174,7 +175,6 @@ class Processor:
         self.extra_eos_ids = list(extra_eos_ids)
         self.eos_token_ids = [t for t in [eos_token_id, *extra_eos_ids] if t is not None]
         self.engine_seed = engine_seed
-        self._request_counter = itertools.count()
         self._seed_counter = itertools.count()
 
     # ---- prompts -------------------------------------------------------------------------
@@ -302,16 +302,13 @@ class Processor:
 
     # ---- ids, seeds and the n fan-out ------------------------------------------------------
 
-    def fan_out(self, request: ProcessedRequest, request_id: str | None = None,
+    def fan_out(self, request: ProcessedRequest, request_id: str,
                 arrival_time: float | None = None) -> FanOut:
-        """Draw the request id (if not given) and each child's seed: call only once every
-        request of a batch has passed `process`."""
-        if request_id is not None and not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
-        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        """Give each child its id and seed: call only once every request of a batch has
+        passed `process` and its id is reserved (engine/request_ids.py)."""
         params = request.params
         now = arrival_time if arrival_time is not None else time.time()
-        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        ids = child_request_ids(request_id, params.n)
         children = [EngineCoreRequest(child_id, request.prompt_token_ids,
                                       self._child_params(params, i), self.eos_token_id, now,
                                       request.priority)

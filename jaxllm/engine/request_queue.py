@@ -20,8 +20,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from jaxllm.engine.request import Request
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
+from jaxllm.scheduling_policy import SCHEDULING_POLICIES
 
 
 class FCFSRequestQueue:

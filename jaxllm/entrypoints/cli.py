@@ -7,6 +7,9 @@ line win over the file. A bool flag alone means true (`--disable-log-stats`, as 
 takes a value (`--enable-prefix-caching false`). Unlike `LLM(...)`, the server logs a stats
 line every 10 s unless `--disable-log-stats` (vLLM's defaults for both). Never builds
 responses: it starts uvicorn on api_server's app.
+
+Several nodes (jaxllm/distributed/): every node runs the same command with its own
+`--node-rank`; node 0 serves the API, the others add `--headless` and only replay its steps.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import typing
 from jaxllm.config import EngineConfig
 
 SERVER_DEFAULTS = dict(host="0.0.0.0", port=8000, api_key=None, served_model_name=None,
-                       chat_template=None, uvicorn_log_level="info")
+                       chat_template=None, uvicorn_log_level="info", headless=False)
 
 
 def _engine_flag_type(field: dataclasses.Field):
@@ -48,6 +51,9 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="the model name clients use")
     serve.add_argument("--chat-template", help="a Jinja template, or a file holding one")
     serve.add_argument("--uvicorn-log-level")
+    serve.add_argument("--headless", action="store_true",
+                       help="a follower node (--node-rank > 0): no API server, it replays the "
+                            "leader's steps until the leader shuts down")
     for field in dataclasses.fields(EngineConfig):
         kind = _engine_flag_type(field)
         bare = dict(nargs="?", const=True) if field.type in (bool, "bool") else {}
@@ -74,6 +80,13 @@ def resolve_args(argv: list[str]) -> tuple[dict, EngineConfig]:
     server = {k: values.get(k, v) for k, v in SERVER_DEFAULTS.items()}
     server["api_key"] = server["api_key"] or os.environ.get("JAXLLM_API_KEY")
     config = EngineConfig(**{k: v for k, v in values.items() if k in engine_fields})
+    # As vLLM's: the leader serves the API, every other node runs headless.
+    if server["headless"] and config.node_rank == 0:
+        raise SystemExit("jaxllm serve: --headless is for the followers (--node-rank > 0); "
+                         "node 0 serves the API")
+    if config.node_rank > 0 and not server["headless"]:
+        raise SystemExit(f"jaxllm serve: --node-rank {config.node_rank} serves no API; add "
+                         "--headless")
     return server, config
 
 
@@ -97,12 +110,17 @@ def _chat_template(value: str | None) -> str | None:
 def serve(argv: list[str]) -> None:
     import uvicorn
 
-    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.async_llm import AsyncLLM
     from jaxllm.entrypoints.openai.api_server import build_app
     from jaxllm.models.resolve import DEFAULT_MODEL
 
     server, config = resolve_args(argv)
     _log_to_stderr()
+    if server["headless"]:
+        from jaxllm.llm_engine import LLMEngine
+
+        LLMEngine(config, use_tqdm=True)  # returns once the leader has shut down
+        return
     engine = AsyncLLM(config, use_tqdm=True)
     name = server["served_model_name"] or config.model or DEFAULT_MODEL
     app = build_app(engine, served_model_names=[name], api_key=server["api_key"],

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from jaxllm import AsyncEngineArgs, AsyncLLM, RequestOutputKind, SamplingParams
-from jaxllm.engine.async_llm import EngineDeadError
+from jaxllm.async_llm import EngineDeadError
 
 from tiny_model import SMALL, greedy, token_ids
 
@@ -217,3 +217,57 @@ def test_priority_reaches_every_child_from_the_server_and_is_checked(engine, mon
 
 async def _generate_with_priority(engine, priority):
     return [out async for out in engine.generate(PROMPT, greedy(2), None, priority=priority)]
+
+
+def test_a_sample_id_colliding_with_a_streaming_chat_is_a_400_and_the_engine_lives(engine):
+    """The repro: a streaming chat runs as "0_x"; a chat "x" with n=2 would run its samples
+    as 0_x and 1_x. It is refused (ValueError, the server's 400) and nothing else changes."""
+    from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from jaxllm.entrypoints.openai.serving import OpenAIServing
+
+    serving = OpenAIServing(engine, ["tiny"], None)
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def main():
+        first = ChatCompletionRequest(messages=messages, max_tokens=40, ignore_eos=True,
+                                      stream=True, request_id="0_x")
+        chunks = await serving.create_chat_completion(first, "tiny")
+        seen = [await anext(chunks) for _ in range(3)]  # role chunk + two tokens: running
+        second = ChatCompletionRequest(messages=messages, max_tokens=4, n=2, request_id="x")
+        with pytest.raises(ValueError, match="'x' with n=2 runs its samples as '0_x'"):
+            await serving.create_chat_completion(second, "tiny")
+        seen += [chunk async for chunk in chunks]
+        assert engine.is_running
+        again = await serving.create_chat_completion(second, "tiny")  # 0_x has finished
+        return seen, again
+
+    seen, again = run(main())
+    assert seen[-1] == "data: [DONE]\n\n"
+    assert '"finish_reason": "length"' in seen[-2]
+    assert [c["index"] for c in again["choices"]] == [0, 1]
+    assert engine.is_running
+    assert_idle(engine)
+
+
+def test_ids_are_checked_before_the_engine_thread_admits(engine):
+    """Two requests in one event-loop turn: the first is not in the engine yet when the
+    second arrives, and its samples' ids are taken all the same."""
+    async def main():
+        first = asyncio.create_task(collect(engine, PROMPT, greedy(5), "0_y"))
+        two = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)
+        second = asyncio.create_task(collect(engine, PROMPT, two, "y"))
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    first, second = run(main())
+    assert isinstance(second, ValueError) and "runs its samples as '0_y'" in str(second)
+    assert len(first[-1].outputs[0].token_ids) == 5 and engine.is_running
+    assert_idle(engine)
+
+
+def test_data_parallel_replicas_need_their_own_devices(tiny_model_dir):
+    import jax
+
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match=f"data_parallel_size={n + 1} x tensor_parallel_size=1 "
+                                         f"needs {n + 1} devices, but only {n} are available"):
+        AsyncLLM(AsyncEngineArgs(model=tiny_model_dir, data_parallel_size=n + 1))

@@ -145,6 +145,9 @@ def test_a_colliding_request_id_admits_nothing_of_the_batch(llm):
     (dict(seed=1.5), "seed must be an int, got float"),
     (dict(max_num_seqs=2.0), "max_num_seqs must be an int, got float"),
     (dict(enforce_eager="no"), "enforce_eager must be a bool, got str"),
+    (dict(data_parallel_size=0), "data_parallel_size must be >= 1, got 0"),
+    (dict(data_parallel_size=2), r"LLM\(...\) runs one engine; data_parallel_size=2 is served "
+                                 "by AsyncLLM"),
 ])
 def test_engine_arguments_are_checked_at_construction(tiny_model_dir, kwargs, message):
     from jaxllm import LLM

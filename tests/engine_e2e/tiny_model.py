@@ -76,6 +76,7 @@ def token_ids(outputs) -> list[list[int]]:
 
 
 def metric_values(llm) -> dict[str, float]:
-    """name -> value, for the counters and gauges without labels beyond the model name."""
+    """name -> value, for the counters and gauges without labels beyond the model name and
+    the engine index."""
     return {m.name: m.value for m in llm.get_metrics()
-            if set(m.labels) == {"model_name"} and hasattr(m, "value")}
+            if set(m.labels) == {"model_name", "engine"} and hasattr(m, "value")}

@@ -27,3 +27,46 @@ def test_bool_flags_alone_or_with_a_value():
                               "false"])
     assert (engine.model, engine.enforce_eager, engine.enable_prefix_caching) == (
         "some-model", True, False)
+
+
+def test_data_parallel_size_flag():
+    assert resolve_args([])[1].data_parallel_size == 1
+    _, engine = resolve_args(["--data-parallel-size", "2", "--tensor-parallel-size", "4"])
+    assert (engine.data_parallel_size, engine.tensor_parallel_size) == (2, 4)
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1, got 0"):
+        resolve_args(["--data-parallel-size", "0"])
+
+
+def test_multi_node_flags_and_headless_followers():
+    args = ["--tensor-parallel-size", "16", "--nnodes", "2", "--master-addr", "10.0.0.1",
+            "--master-port", "12345"]
+    server, engine = resolve_args(args)
+    assert (engine.nnodes, engine.node_rank, engine.master_addr, engine.master_port,
+            server["headless"]) == (2, 0, "10.0.0.1", 12345, False)
+    server, engine = resolve_args(args + ["--node-rank", "1", "--headless"])
+    assert (engine.node_rank, server["headless"]) == (1, True)
+    with pytest.raises(SystemExit, match="--node-rank 1 serves no API; add --headless"):
+        resolve_args(args + ["--node-rank", "1"])
+    with pytest.raises(SystemExit, match="--headless is for the followers"):
+        resolve_args(args + ["--headless"])
+    with pytest.raises(ValueError, match=r"node_rank must be in \[0, nnodes=2\), got 2"):
+        resolve_args(args + ["--node-rank", "2", "--headless"])
+    with pytest.raises(ValueError, match="data_parallel_size .2. > 1 with nnodes .2. > 1 is "
+                                         "not supported"):
+        resolve_args(args + ["--data-parallel-size", "2"])
+
+
+def test_a_headless_follower_builds_the_engine_and_serves_no_api(monkeypatch):
+    import uvicorn
+
+    import jaxllm.llm_engine
+    from jaxllm.entrypoints import cli
+
+    built = []
+    monkeypatch.setattr(jaxllm.llm_engine, "LLMEngine",
+                        lambda config, use_tqdm: built.append(config))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("a follower served"))
+    monkeypatch.setattr(cli, "_log_to_stderr", lambda: None)  # leave the logger alone
+    cli.serve(["m", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
+               "--headless"])
+    assert [(c.model, c.nnodes, c.node_rank) for c in built] == [("m", 2, 1)]

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.async_llm import AsyncLLM
 from jaxllm.engine.processor import PromptInput
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.outputs import CompletionOutput, RequestOutput

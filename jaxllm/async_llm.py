@@ -1,0 +1,202 @@
+"""AsyncLLM: the asyncio front end, with vLLM's names (`AsyncLLMEngine` is the same class).
+
+Owns the streams between the engines and asyncio (each request's outputs go to its own
+asyncio queue, in order, as its engine emits them), the choice of data-parallel replica for
+each request, and what every replica must hear: aborts, prefix-cache resets, death. Never runs
+a model step on the event loop (each engine steps on its own thread, engine/engine_loop.py),
+and never lets one stream's failure reach another.
+
+    event loop (asyncio)                          engine thread of replica r
+    generate(): check + tokenize, reserve the     loop: take commands (admit, abort)
+      request's ids (ValueError here, before            LLMEngine.step()  -- device work
+      anything is queued), route it to a                outputs -> each request's queue
+      replica r (engine/dp_router.py)
+      -> command "admit"  ------------------->
+    async for out in stream  <--- call_soon_threadsafe ---
+
+Why a thread and not a process: the engine's device step runs without the GIL, and with
+async scheduling its host work overlaps the device (benchmarks/serve.py measures serving
+against offline throughput; the choice is recorded there). Data parallelism
+(`data_parallel_size=N`) is N engines in this process, replica r on devices
+[r * tp, (r + 1) * tp), each on its own thread; requests go to the replica that last computed
+their prompt's prefix unless it is a batch busier than the least loaded one.
+
+Request ids are checked once, by the `RequestIds` every replica shares
+(engine/request_ids.py): it holds every parent and child id from `generate` until an engine
+thread has finished the request, so a request admitted but not yet applied counts too.
+
+If an engine loop itself raises (not a failed step, which only fails its own requests), the
+whole front end is dead: every waiting stream gets `EngineDeadError`, so does every later
+call, and the other replicas stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from jaxllm.config import EngineConfig
+from jaxllm.engine.dp_router import DPRouter
+from jaxllm.engine.engine_loop import EngineLoop, Stream
+from jaxllm.engine.processor import PromptInput, parse_prompt
+from jaxllm.engine.request_ids import RequestIds
+from jaxllm.llm_engine import LLMEngine
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can run any more."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncEngineArgs(EngineConfig):
+    """The engine arguments of `AsyncLLM.from_engine_args`: the same fields as `LLM(...)`."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, *, use_tqdm: bool = False):
+        self.request_ids = RequestIds()
+        self.engines = [LLMEngine(config, use_tqdm=use_tqdm, request_ids=self.request_ids,
+                                  data_parallel_rank=rank)
+                        for rank in range(config.data_parallel_size)]
+        # The processor, tokenizer and configuration are the same in every replica: requests
+        # are checked and fanned out by the first one's (one sequence of engine seeds).
+        self.engine = self.engines[0]
+        resolved = self.engine.config
+        self.router = DPRouter(
+            len(self.engines), resolved.block_size, max_imbalance=resolved.max_num_seqs,
+            capacity=sum(e.kv_cache_manager.num_blocks for e in self.engines),
+            prefix_affinity=resolved.enable_prefix_caching)
+        self._live: set[Stream] = set()  # streams of unfinished requests: all hear of death
+        self._stopped = False
+        self.dead_error: BaseException | None = None
+        self.loops = [EngineLoop(engine, self._died, f"jaxllm-engine-loop-{rank}")
+                      for rank, engine in enumerate(self.engines)]
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig, **kwargs) -> "AsyncLLM":
+        return cls(engine_args, **kwargs)
+
+    # ---- the user's side ---------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return all(loop.is_alive for loop in self.loops) and not self.errored
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (per its `output_kind`). The prompt is a str, a
+        {"prompt"} / {"prompt_token_ids"} dict, or a PromptInput. Bad input raises ValueError
+        here, before anything is queued. Cancelling the consumer aborts the request.
+        priority: lower is served first (needs scheduling_policy="priority" unless 0)."""
+        self._check_alive()
+        prompt = prompt if isinstance(prompt, PromptInput) else parse_prompt(prompt)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        processor = self.engine.processor
+        processed = processor.process(prompt, params, priority=priority)
+        request_id, = self.request_ids.reserve([(request_id, params.n)])
+        fanned = processor.fan_out(processed, request_id)
+        replica = self.router.route(processed.prompt_token_ids)
+        loop = self.loops[replica]
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._live.add(stream)
+        loop.send("admit", (fanned, stream))
+        finished = False
+        try:
+            self._check_alive()  # a loop may have died before it could see this stream
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._live.discard(stream)
+            stream.closed = True
+            self.router.finished(replica)
+            if not finished and not self.errored:
+                loop.send("drop", (request_id, stream))  # the consumer went away
+
+    async def chat(self, messages, sampling_params: SamplingParams | None = None,
+                   request_id: str | None = None, *, chat_template: str | None = None,
+                   add_generation_prompt: bool = True, continue_final_message: bool = False,
+                   chat_template_kwargs: dict[str, Any] | None = None, priority: int = 0
+                   ) -> AsyncIterator[RequestOutput]:
+        """`generate` on one conversation rendered by the model's chat template."""
+        self._check_alive()
+        prompt, = self.engine.processor.render_chat(
+            [messages], chat_template, add_generation_prompt, continue_final_message,
+            chat_template_kwargs)
+        async for out in self.generate(prompt, sampling_params, request_id, priority):
+            yield out
+
+    async def abort(self, request_id) -> None:
+        """Abort a request (a parent id aborts all its children); its stream ends with a
+        finish_reason "abort" output."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for loop in self.loops:  # unknown ids are ignored: only the owner acts
+            loop.send("abort", ids)
+
+    def get_metrics(self):
+        """Every replica's metrics, told apart by their `engine` label (as vLLM's)."""
+        return [m for engine in self.engines for m in engine.get_metrics()]
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, in every replica on its engine thread; False if some
+        replica refused (requests hold blocks there)."""
+        self._check_alive()
+        futures = []
+        for loop in self.loops:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            loop.send("call", (loop.engine.reset_prefix_cache, done))
+            futures.append(asyncio.wrap_future(done))
+        results = await asyncio.gather(*futures)
+        for replica, reset in enumerate(results):
+            if reset:
+                self.router.forget(replica)
+        return all(results)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        for loop in self.loops:
+            loop.stop()
+        for loop in self.loops:
+            loop.join(timeout=30)
+        for engine in self.engines:
+            engine.shutdown()  # with several processes: the followers stop
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError("the engine loop has died") from self.dead_error
+        if self._stopped:
+            raise EngineDeadError("the engine has been shut down")
+
+    def _died(self, error: BaseException) -> None:
+        """On the dying engine thread: the whole front end is dead, every replica with it."""
+        if self.dead_error is None:
+            self.dead_error = error
+        dead = EngineDeadError(f"the engine loop died: {type(error).__name__}: {error}")
+        dead.__cause__ = error
+        for stream in list(self._live):
+            stream.put(dead)
+        for loop in self.loops:
+            loop.stop()
+
+
+AsyncLLMEngine = AsyncLLM
