@@ -56,6 +56,20 @@ def test_top_k_1_and_tiny_top_p_are_greedy(step):
     np.testing.assert_array_equal(out.sampled_token_ids, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46])
+def test_top_p_that_float32_rounds_to_zero_still_samples_the_top_token(top_p):
+    # Issue 15, bug 6: top_p=1e-300 is valid (> 0) but is 0.0 in float32; the top-p search
+    # then kept no token and every row sampled token 0.
+    assert np.float32(top_p) == 0.0
+    logits = make_logits(1)
+    assert (logits.argmax(-1) != 0).all()
+    rows = [row(seed=21 + i, temperature=t, top_p=top_p) for i, t in enumerate((0.5, 1, 2, 7))]
+    md, out = run(rows, logits)
+    np.testing.assert_array_equal(out.sampled_token_ids, logits.argmax(-1))
+    kept = jax.device_get(apply_top_k_top_p(jnp.asarray(logits), md.top_k, md.top_p))
+    np.testing.assert_array_equal(np.isfinite(kept).sum(-1), [1] * S)
+
+
 def top_k_top_p_numpy(x, k, p):
     """Sort-based reference: keep the top k, then the fewest top tokens reaching mass p."""
     order = np.argsort(-x)
