@@ -268,7 +268,11 @@ def apply_penalties(x_SV: jax.Array, pen: PenaltyMetadata) -> jax.Array:
     rep_S1 = pen.repetition_penalty[:, None]
     x_SV = jnp.where(seen_SV, jnp.where(x_SV > 0, x_SV / rep_S1, x_SV * rep_S1), x_SV)
     x_SV = x_SV - pen.frequency_penalty[:, None] * output_counts_SV
-    return x_SV - pen.presence_penalty[:, None] * (output_counts_SV > 0)
+    x_SV = x_SV - pen.presence_penalty[:, None] * (output_counts_SV > 0)
+    # A tiny repetition_penalty (it may be as small as float32's smallest) divides a positive
+    # logit past float32's range; +inf would make the softmax NaN, so those tokens tie at the
+    # largest finite value instead.
+    return jnp.minimum(x_SV, jnp.finfo(jnp.float32).max)
 
 
 def _apply_min_p(x_SV: jax.Array, min_p_S: jax.Array) -> jax.Array:

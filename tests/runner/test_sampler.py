@@ -142,6 +142,30 @@ def test_penalties_change_the_greedy_choice():
     assert out.sampled_token_ids[0] == 9
 
 
+def test_a_tiny_repetition_penalty_saturates_instead_of_making_nan():
+    # 1e-40 is a float32 subnormal: logit / 1e-40 overflows to +inf for any logit above ~3e-2,
+    # and +inf made the processed scores NaN. Seen tokens with positive logits now tie at
+    # float32's largest value, so sampling picks among them and every score is a number.
+    logits = np.zeros((S, V), np.float32)
+    logits[:, [3, 4]] = [0.5, 1.0]
+    logits[:, 7] = 5.0  # unseen, and far ahead before the penalty
+    rows = [row(seed=s, temperature=1.0, repetition_penalty=1e-40, prompt=(3, 4), logprobs=2)
+            for s in range(S)]
+    out = sample_modes(logits, rows, "processed_logprobs", 2)
+    assert set(out.sampled_token_ids) <= {3, 4}
+    assert not np.isnan(out.logprobs.topk_logprobs).any()
+    np.testing.assert_allclose(out.logprobs.topk_logprobs, np.log(0.5), rtol=1e-6)
+
+
+def test_a_top_k_past_int32_is_stored_as_off():
+    # vLLM treats any k >= the vocabulary as off; 2**31 used to overflow the int32 slot array
+    # and fail the whole step (issue 15, bug 2).
+    logits = np.repeat(make_logits(3)[:1], S, axis=0)
+    md, out = run([row(seed=9, top_k=2**31), row(seed=9, top_k=2**63), row(seed=9)], logits)
+    np.testing.assert_array_equal(md.top_k[:3], [2**31 - 1, 2**31 - 1, 0])
+    assert out.sampled_token_ids[0] == out.sampled_token_ids[1] == out.sampled_token_ids[2]
+
+
 def test_min_tokens_masks_eos_and_stop_token_ids():
     logits = np.zeros((S, V), np.float32)
     logits[:, EOS], logits[:, 7], logits[:, 5] = 3.0, 2.0, 1.0
