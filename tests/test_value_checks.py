@@ -22,8 +22,9 @@ def test_range_membership_compares_without_converting(allowed, value, inside):
 
 
 def test_range_messages_name_the_parameter_and_the_range():
-    with pytest.raises(ValueError, match=re.escape("top_p must be in (0.0, 1.0], got 0.0.")):
+    with pytest.raises(ValueError, match=re.escape("top_p must be in (0.0, 1.0], got 0.0.")) as e:
         Range(0.0, 1.0, low_open=True).check("top_p", 0.0)
+    assert e.value.param == "top_p"  # the server's error JSON states it
     # Python refuses to print an int of over 4300 digits: it is described by its size.
     with pytest.raises(ValueError, match=re.escape("seed must be in [0, 1], got an int of "
                                                    "33220 bits.")):

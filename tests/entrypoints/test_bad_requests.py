@@ -6,7 +6,9 @@ Each test asserts the exact status and message; the engine ends idle after each.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 
 import pytest
 
@@ -54,35 +56,37 @@ def test_a_top_k_past_int32_fails_no_other_clients_request(server):
     assert [c["finish_reason"] for c in other.json()["choices"]] == ["length"] * 8
 
 
-@pytest.mark.parametrize("path, body, message", [
-    ("/v1/completions", {"prompt": "Hi", "min_tokens": 2**31, "max_tokens": 2**31},
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "Hi", "min_tokens": 2**31, "max_tokens": 2**31}, "max_tokens",
      "max_tokens must be in [1, 2147483647], got 2147483648."),
-    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2**31 - 1},
+    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2**31 - 1}, "max_tokens",
      "max_tokens=2147483647 does not fit: the prompt has 3 tokens and the model's maximum "
      "context length is 64, so max_tokens must be at most 61."),
-    ("/v1/completions", {"prompt": [5] * 60},  # the default max_tokens, 16, as vLLM's
+    ("/v1/completions", {"prompt": [5] * 60}, "max_tokens",  # the default, 16, as vLLM's
      "max_tokens=16 does not fit: the prompt has 60 tokens and the model's maximum context "
      "length is 64, so max_tokens must be at most 4."),
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0},
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens",
      "max_tokens must be in [1, 2147483647], got 0."),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0},
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
      "max_completion_tokens must be in [1, 2147483647], got 0."),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0, "max_tokens": 5},
-     "max_completion_tokens must be in [1, 2147483647], got 0."),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 2**31},
+     "max_completion_tokens", "max_completion_tokens must be in [1, 2147483647], got 0."),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2**31}, "max_tokens",
      "max_tokens must be in [1, 2147483647], got 2147483648."),
-    ("/v1/completions", {"prompt": "Hi", "temperature": 1e39},
+    ("/v1/completions", {"prompt": "Hi", "temperature": 1e39}, "temperature",
      "temperature must be in [0.0, 3.4028234663852886e+38], got 1e+39."),
-    ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e-300},
+    ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e-300}, "repetition_penalty",
      "repetition_penalty must be in [1.401298464324817e-45, 3.4028234663852886e+38], got "
      "1e-300."),
-    ("/v1/completions", {"prompt": "Hi", "seed": 2**63},
+    ("/v1/completions", {"prompt": "Hi", "seed": 2**63}, "seed",
      "Input should be less than or equal to 9223372036854775807 (seed)"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -2},
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -2}, "top_logprobs",
      "Input should be greater than or equal to -1 (top_logprobs)"),
 ])
-def test_numbers_past_their_width_are_400s_naming_the_field(server, path, body, message):
-    assert error_of(server.post(path, body), 400)["message"] == message
+def test_numbers_past_their_width_are_400s_naming_the_field(server, path, body, param,
+                                                            message):
+    assert error_of(server.post(path, body), 400) == {
+        "message": message, "type": "BadRequestError", "param": param, "code": 400}
 
 
 @pytest.mark.parametrize("path, body, field", [
@@ -144,3 +148,19 @@ def test_a_failure_in_any_route_is_a_500_with_the_error_json(server, monkeypatch
 
     monkeypatch.setattr(server.engine, "get_metrics", broken)
     assert error_of(server.get("/metrics"), 500)["message"] == "KeyError: 'metrics'"
+
+
+def test_a_minus_inf_logprob_is_stated_as_vllms_floor():
+    # A processed logprobs_mode gives masked tokens -inf, which JSON cannot carry: the
+    # non-streaming response failed to encode (a 400 for a valid request) and streams sent
+    # the invalid token -Infinity.
+    from jaxllm.entrypoints.openai.serving import _chat_logprobs, _completion_logprobs
+    from jaxllm.outputs import CompletionOutput, Logprob
+
+    entry = {7: Logprob(0.0, 1, "a"), 9: Logprob(-math.inf, 2, "b")}
+    c = CompletionOutput(0, "a", [7], 0.0, [entry], "length")
+    legacy = _completion_logprobs(c, 2, 0)
+    assert legacy["top_logprobs"] == [{"a": 0.0, "b": -9999.0}]
+    chat = _chat_logprobs(c, 2)
+    assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [0.0, -9999.0]
+    json.dumps([legacy, chat], allow_nan=False)  # what a JSON response needs

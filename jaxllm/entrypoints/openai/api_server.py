@@ -104,7 +104,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
 
     @app.exception_handler(ValueError)
     async def _bad_value(request, exc: ValueError):
-        return error_response(400, str(exc), "BadRequestError")
+        return error_response(400, str(exc), "BadRequestError", getattr(exc, "param", None))
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):

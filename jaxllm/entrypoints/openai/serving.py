@@ -22,7 +22,7 @@ from jaxllm.async_llm import AsyncLLM
 from jaxllm.engine.processor import PromptInput
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
-from jaxllm.value_ranges import INT32_MAX, Range
+from jaxllm.value_ranges import INT32_MAX, ParameterError, Range
 
 
 def _sse(payload: dict) -> str:
@@ -34,6 +34,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+# The lowest logprob a response states (vLLM's floor): a processed logprobs_mode gives -inf to
+# masked tokens, which JSON cannot carry (the non-streaming response failed to encode).
+LOGPROB_FLOOR = -9999.0
+
+
+def _json_logprob(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 def _completion_logprobs(c: CompletionOutput, k: int, text_offset: int) -> dict | None:
     """OpenAI's legacy completions format: tokens, token_logprobs, top_logprobs, offsets."""
     if c.logprobs is None:
@@ -42,8 +51,8 @@ def _completion_logprobs(c: CompletionOutput, k: int, text_offset: int) -> dict 
     for token_id, entry in zip(c.token_ids, c.logprobs):
         chosen = entry[token_id]
         tokens.append(chosen.decoded_token or "")
-        token_logprobs.append(chosen.logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()
+        token_logprobs.append(_json_logprob(chosen.logprob))
+        tops.append({(lp.decoded_token or ""): _json_logprob(lp.logprob) for lp in entry.values()
                      if lp.rank is not None and lp.rank <= k} if k else None)
         offsets.append(text_offset)
         text_offset += len(chosen.decoded_token or "")
@@ -58,7 +67,8 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict | None:
 
     def item(lp):
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _json_logprob(lp.logprob),
+                "bytes": list(text.encode())}
 
     content = []
     for token_id, entry in zip(c.token_ids, c.logprobs):
@@ -191,9 +201,10 @@ class OpenAIServing:
         (offline, LLM.generate stops at max_model_len instead)."""
         room = self.max_model_len - prompt_len
         if max_tokens > room:
-            raise ValueError(f"{param}={max_tokens} does not fit: the prompt has {prompt_len} "
-                             f"tokens and the model's maximum context length is "
-                             f"{self.max_model_len}, so {param} must be at most {room}.")
+            raise ParameterError(f"{param}={max_tokens} does not fit: the prompt has "
+                                 f"{prompt_len} tokens and the model's maximum context length "
+                                 f"is {self.max_model_len}, so {param} must be at most {room}.",
+                                 param)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
         prompt, params = self.check_chat(req)
