@@ -22,6 +22,7 @@ from jaxllm.messages import EngineCoreRequest
 from jaxllm.sampling_limits import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, banned_until_min_tokens,
                                     request_seed)
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.unicode_text import check_json_text, check_text
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -131,6 +132,8 @@ def check_conversation(conversation: Any, index: int = 0) -> None:
             continue
         raise ValueError(f"{where}, message {j}: content must be a string or a list of "
                          f"{{'type': 'text', 'text': str}} parts, got {content!r:.80}")
+    for j, message in enumerate(conversation):  # every field may reach the template
+        check_json_text(message, f"{where}, message {j}")
 
 
 def _text_content(message: dict) -> dict:
@@ -187,6 +190,12 @@ class Processor:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError("chat_template_kwargs must be a dict, got "
                              f"{type(chat_template_kwargs).__name__}")
+        if chat_template is not None:
+            if not isinstance(chat_template, str):
+                raise ValueError("chat_template must be a str, got "
+                                 f"{type(chat_template).__name__}")
+            check_text(chat_template, "chat_template")
+        check_json_text(chat_template_kwargs, "chat_template_kwargs")
         if (isinstance(conversations, (list, tuple)) and conversations
                 and isinstance(conversations[0], dict)):
             conversations = [conversations]
@@ -205,6 +214,11 @@ class Processor:
             except Exception as e:  # jinja errors and template-raised exceptions
                 raise ValueError(f"the chat template failed on conversation {i}: "
                                  f"{type(e).__name__}: {e}") from e
+            if not isinstance(text, str):  # e.g. chat_template_kwargs={"return_dict": ...}
+                raise ValueError(f"the chat template gave a {type(text).__name__} for "
+                                 f"conversation {i}, not text")
+            # A template can make what no message held ({{ '%c' % 55296 }}).
+            check_text(text, f"the chat template's output for conversation {i}")
             # The template already holds any BOS; tokenizing must not add a second one.
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append(PromptInput(text, ids))
@@ -219,14 +233,20 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(params).__name__}")
-        ids = prompt.token_ids
-        if ids is None:
-            ids = self.tokenizer(prompt.text)["input_ids"]
+        ids = self.tokenize_prompt(prompt)
         self.check_prompt(ids)
         params = self.check_params(params)
         if output_kind is not None:
             params.output_kind = output_kind
         return ProcessedRequest(prompt.text, list(ids), params, priority)
+
+    def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
+        """The prompt's token ids: its own, or its text's (checked to be valid Unicode first:
+        the tokenizer raises TypeError on a lone surrogate)."""
+        if prompt.token_ids is not None:
+            return prompt.token_ids
+        check_text(prompt.text, "prompt")
+        return self.tokenizer(prompt.text)["input_ids"]
 
     def check_priority(self, priority) -> int:
         """An int; anything but 0 needs the "priority" scheduling policy (vLLM's check)."""

@@ -2,9 +2,10 @@
 
 Owns the routes (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
 /health, /version, /metrics), API-key checks, the mapping of every failure to OpenAI's error
-body with the right status (400 for bad input of any kind, never 422 or 500; 404 for an
-unknown model; 401 for a missing or wrong key), and aborting a request whose client went away.
-Never builds sampling parameters or responses itself (serving.py does).
+body with the right status (400 for bad input of any kind, never 422; 404 for an unknown
+model; 401 for a missing or wrong key; 500, still as the error JSON and with the traceback
+logged, only for an internal error), and aborting a request whose client went away. Never
+builds sampling parameters or responses itself (serving.py does).
 """
 
 from __future__ import annotations
@@ -34,9 +35,46 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
+logger = logging.getLogger(__name__)
+
+
 def error_response(status: int, message: str, type_: str, param: str | None = None):
+    # A message quoting the client's text could hold a lone surrogate, which no JSON
+    # response can encode: escape it rather than fail while reporting an error.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse(status_code=status, content={"error": {
         "message": message, "type": type_, "param": param, "code": status}})
+
+
+class InternalErrors:
+    """The outermost middleware: an exception no handler answered becomes OpenAI's error JSON
+    with a 500 (Starlette's last resort is a plain-text body) and its traceback is logged,
+    once. A response already started (a stream) cannot be replaced, so the exception goes on
+    to the server, which closes the connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("internal error answering %s %s", scope.get("method"),
+                             scope.get("path"))
+            response = error_response(500, f"{type(exc).__name__}: {exc}",
+                                      "InternalServerError")
+            await response(scope, receive, send)
 
 
 def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str | None = None,
@@ -58,13 +96,15 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
             return error_response(400, f"Invalid JSON body: {first.get('msg')}",
                                   "BadRequestError")
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error_response(400, f"{first.get('msg', 'invalid request')}"
-                                   + (f" ({param})" if param else ""),
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "value_error":  # our own checks: their message as written
+            message = str(first.get("ctx", {}).get("error", message))
+        return error_response(400, message + (f" ({param})" if param else ""),
                               "BadRequestError", param)
 
     @app.exception_handler(ValueError)
     async def _bad_value(request, exc: ValueError):
-        return error_response(400, str(exc), "BadRequestError")
+        return error_response(400, str(exc), "BadRequestError", getattr(exc, "param", None))
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -87,6 +127,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
                 return error_response(401, "Unauthorized: a valid API key is required",
                                       "authentication_error")
         return await call_next(request)
+
+    app.add_middleware(InternalErrors)  # added last: the outermost, around the key check too
 
     def model_name(requested: str | None) -> str:
         if requested is None:

@@ -22,6 +22,7 @@ from jaxllm.async_llm import AsyncLLM
 from jaxllm.engine.processor import PromptInput
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.value_ranges import INT32_MAX, ParameterError, Range
 
 
 def _sse(payload: dict) -> str:
@@ -33,6 +34,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+# The lowest logprob a response states (vLLM's floor): a processed logprobs_mode gives -inf to
+# masked tokens, which JSON cannot carry (the non-streaming response failed to encode).
+LOGPROB_FLOOR = -9999.0
+
+
+def _json_logprob(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 def _completion_logprobs(c: CompletionOutput, k: int, text_offset: int) -> dict | None:
     """OpenAI's legacy completions format: tokens, token_logprobs, top_logprobs, offsets."""
     if c.logprobs is None:
@@ -41,8 +51,8 @@ def _completion_logprobs(c: CompletionOutput, k: int, text_offset: int) -> dict 
     for token_id, entry in zip(c.token_ids, c.logprobs):
         chosen = entry[token_id]
         tokens.append(chosen.decoded_token or "")
-        token_logprobs.append(chosen.logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()
+        token_logprobs.append(_json_logprob(chosen.logprob))
+        tops.append({(lp.decoded_token or ""): _json_logprob(lp.logprob) for lp in entry.values()
                      if lp.rank is not None and lp.rank <= k} if k else None)
         offsets.append(text_offset)
         text_offset += len(chosen.decoded_token or "")
@@ -57,7 +67,8 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict | None:
 
     def item(lp):
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _json_logprob(lp.logprob),
+                "bytes": list(text.encode())}
 
     content = []
     for token_id, entry in zip(c.token_ids, c.logprobs):
@@ -101,7 +112,10 @@ class OpenAIServing:
                                      req.logprobs)
         prompts = self.completion_prompts(req)
         for prompt in prompts:  # every prompt is checked before any is queued
-            self.engine.engine.processor.process(prompt, params, priority=req.priority)
+            processed = self.engine.engine.processor.process(prompt, params,
+                                                             priority=req.priority)
+            self.check_fits_context(len(processed.prompt_token_ids), params.max_tokens,
+                                    "max_tokens")
         return prompts, params
 
     async def create_completion(self, req: CompletionRequest, model: str):
@@ -164,13 +178,33 @@ class OpenAIServing:
         prompt, = processor.render_chat(
             [req.messages], req.chat_template or self.chat_template, req.add_generation_prompt,
             req.continue_final_message, req.chat_template_kwargs)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:  # vLLM: the rest of the context
+        # `is not None`, not `or`: max_completion_tokens=0 is refused (as vLLM does), never
+        # read as "not given".
+        if req.max_completion_tokens is not None:
+            param, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        else:
+            param, max_tokens = "max_tokens", req.max_tokens
+        if max_tokens is not None:
+            Range(1, INT32_MAX).check(param, max_tokens)  # named as the client sent it
+        else:  # vLLM: the rest of the context
             max_tokens = max(1, self.max_model_len - len(prompt.token_ids))
+            param = None
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs
                                      else None)
         processor.process(prompt, params, priority=req.priority)
+        if param is not None:
+            self.check_fits_context(len(prompt.token_ids), max_tokens, param)
         return prompt, params
+
+    def check_fits_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
+        """vLLM's server refuses a request whose prompt plus max_tokens exceeds the context
+        (offline, LLM.generate stops at max_model_len instead)."""
+        room = self.max_model_len - prompt_len
+        if max_tokens > room:
+            raise ParameterError(f"{param}={max_tokens} does not fit: the prompt has "
+                                 f"{prompt_len} tokens and the model's maximum context length "
+                                 f"is {self.max_model_len}, so {param} must be at most {room}.",
+                                 param)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
         prompt, params = self.check_chat(req)
