@@ -10,9 +10,9 @@ replica's loop dies, every stream on either replica gets EngineDeadError and /he
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
+
+from host_devices import run_on_host_devices
 
 _SCRIPT = textwrap.dedent("""
     import asyncio, os, re, sys, tempfile, time
@@ -121,10 +121,6 @@ _SCRIPT = textwrap.dedent("""
 
 def test_dp2_behind_one_server_loses_no_request_and_matches_one_engine():
     script = _SCRIPT.format(here=os.path.dirname(__file__))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_on_host_devices(["-c", script], 2)
     assert "DP OK" in proc.stdout
     print(proc.stdout.strip().splitlines()[-2:])

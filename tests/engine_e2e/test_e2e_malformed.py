@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from jaxllm import SamplingParams
 
+from engine_state import assert_nothing_left
 from tiny_model import greedy, token_ids
 
 VOCAB = 49152
@@ -33,14 +34,6 @@ def llm(make_tiny_llm):
 def baseline(llm):
     return token_ids(llm.generate({"prompt_token_ids": GOOD_PROMPT}, greedy(6),
                                   use_tqdm=False))[0]
-
-
-def assert_nothing_left(llm):
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests()
-    assert not engine.output_processor.has_unfinished()
-    kv = engine.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks - 1
 
 
 def mutated(**fields) -> SamplingParams:

@@ -6,9 +6,9 @@ sampler variant takes the sharded inputs)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
+
+from host_devices import run_on_host_devices
 
 _SCRIPT = textwrap.dedent("""
     import os, sys, tempfile
@@ -45,9 +45,5 @@ _SCRIPT = textwrap.dedent("""
 
 def test_tp2_generates_the_tokens_of_tp1():
     script = _SCRIPT.format(here=os.path.dirname(__file__))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_on_host_devices(["-c", script], 2)
     assert "TP OK" in proc.stdout

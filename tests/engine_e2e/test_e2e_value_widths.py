@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from jaxllm import SamplingParams
 
+from engine_state import assert_nothing_left
 from tiny_model import greedy, token_ids
 
 VOCAB = 49152
@@ -35,14 +36,6 @@ def llm(make_tiny_llm):
 @pytest.fixture(scope="module")
 def baseline(llm):
     return token_ids(llm.generate(GOOD, greedy(4), use_tqdm=False))[0]
-
-
-def assert_nothing_left(llm):
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests()
-    assert not engine.output_processor.has_unfinished()
-    kv = engine.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks - 1
 
 
 def seeded(**kwargs) -> SamplingParams:

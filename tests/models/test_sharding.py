@@ -5,8 +5,6 @@ as the unsharded one."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax.numpy as jnp
@@ -17,6 +15,8 @@ from jaxllm.models.config import ModelConfig
 from jaxllm.models.sharding import logical_axes, partition_spec
 from jaxllm.models.weights import abstract_model
 from flax import nnx
+
+from host_devices import run_on_host_devices
 
 CFG = dict(architectures=["Qwen2ForCausalLM"], vocab_size=128, hidden_size=64,
            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -68,9 +68,5 @@ _SCRIPT = textwrap.dedent("""
 def test_tp2_logits_match_unsharded():
     cfg = {k: v for k, v in CFG.items() if k != "architectures"}
     script = _SCRIPT.format(helpers=os.path.dirname(__file__), cfg=cfg)
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_on_host_devices(["-c", script], 2, timeout=600)
     assert "tp2 max abs err" in proc.stdout

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from jaxllm.models.gguf import gguf_to_hf_config, open_gguf
 from jaxllm.models.resolve import embedded_default_gguf
+
+from host_devices import run_on_host_devices
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +53,8 @@ EXPECTED_KV_HEADS = {"xla-tp2-2L": 2, "xla-tp4-2L": 4, "cpu-tp2-2L": 2, "cpu-tp4
 
 @pytest.fixture(scope="module")
 def facts():
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__),
-                                                        "tp_facts.py"), json.dumps(CASES)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_on_host_devices([os.path.join(os.path.dirname(__file__), "tp_facts.py"),
+                                json.dumps(CASES)], 4)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {f["case"]: f for f in lines}
 

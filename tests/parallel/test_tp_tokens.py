@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from host_devices import run_on_host_devices
 
 pytestmark = pytest.mark.slow
 
@@ -58,11 +58,7 @@ _SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def runs():
     tests = os.path.dirname(os.path.dirname(__file__))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT.format(tests=tests)], env=env,
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_on_host_devices(["-c", _SCRIPT.format(tests=tests)], 4, timeout=1200)
     found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {(r["backend"], r["tp"]): r for r in found}
 
