@@ -3,8 +3,10 @@
 Owns the routes (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
 /health, /version, /metrics), API-key checks, the mapping of every failure to OpenAI's error
 body with the right status (400 for bad input of any kind, never 422 or 500; 404 for an
-unknown model; 401 for a missing or wrong key), and aborting a request whose client went away.
-Never builds sampling parameters or responses itself (serving.py does).
+unknown model; 401 for a missing or wrong key; 500 for a request the engine failed; 503 when
+the engine is gone), and aborting a request whose client went away. Never builds sampling
+parameters or responses itself (serving.py does), and never tokenizes or detokenizes on the
+event loop (AsyncLLM's input thread does).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
 from jaxllm.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.entrypoints.openai.errors import GenerationError
 from jaxllm.entrypoints.openai.metrics import render_metrics
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                DetokenizeRequest, TokenizeRequest)
+                                                DetokenizeRequest, TokenizeRequest, error_body)
 from jaxllm.entrypoints.openai.serving import OpenAIServing
 
 
@@ -35,8 +38,7 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None):
-    return JSONResponse(status_code=status, content={"error": {
-        "message": message, "type": type_, "param": param, "code": status}})
+    return JSONResponse(status_code=status, content=error_body(status, message, type_, param))
 
 
 def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str | None = None,
@@ -73,6 +75,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
     @app.exception_handler(EngineDeadError)
     async def _dead(request, exc: EngineDeadError):
         return error_response(503, str(exc), "ServiceUnavailableError")
+
+    @app.exception_handler(GenerationError)
+    async def _failed(request, exc: GenerationError):
+        return error_response(500, str(exc), "InternalServerError")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
@@ -125,14 +131,13 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         model_name(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("give exactly one of prompt and messages")
-        processor = engine.engine.processor
         if body.messages is not None:
-            prompt, = processor.render_chat([body.messages], chat_template,
-                                            body.add_generation_prompt)
+            prompt = await engine.render_chat(body.messages, chat_template,
+                                              body.add_generation_prompt)
             tokens = prompt.token_ids
         else:
-            tokens = engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens
-                                      )["input_ids"]
+            tokens = await engine.offload(_tokenize, engine, body.prompt,
+                                          body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
     @app.post("/detokenize")
@@ -142,7 +147,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"tokens must be in [0, {vocab}), got {bad[0]}")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await engine.offload(engine.tokenizer.decode, body.tokens)}
 
     @app.get("/health")
     async def health():
@@ -160,6 +165,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _tokenize(engine: AsyncLLM, text: str, add_special_tokens: bool) -> list[int]:
+    return engine.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 async def _until_disconnect(coro, request: Request):

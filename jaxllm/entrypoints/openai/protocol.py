@@ -26,6 +26,12 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
+    """OpenAI's error body, as a JSON response or an SSE event carries it."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param,
+                                         code=status)).model_dump()
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 

@@ -2,8 +2,14 @@
 
 Owns the response shapes (non-streaming JSON, and SSE chunks ending in `data: [DONE]`), the
 choice indices of `n` and of several prompts, usage counts and both logprobs formats. Never
-validates ranges itself (SamplingParams and the processor do; their ValueError is a 400),
-never touches HTTP (api_server.py does), and never runs the engine loop (AsyncLLM does).
+validates ranges itself (SamplingParams
+and the processor do; their ValueError is a 400), never touches HTTP (api_server.py does),
+never tokenizes or renders on the event loop (AsyncLLM's input thread does), and never runs
+the engine loop.
+
+Every request is admitted (tokenized, checked, its ids reserved) before a response starts,
+so bad input is a 400 even for a stream. After that a stream always ends with
+`data: [DONE]`, after an error event (errors.py) if its request failed or the engine died.
 
 Every request asks the engine for DELTA outputs when streaming and FINAL_ONLY otherwise, so
 the stream's chunks concatenate to exactly the non-streaming result.
@@ -18,11 +24,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from jaxllm.async_llm import AsyncLLM
+from jaxllm.async_llm import AsyncLLM, RequestStream
 from jaxllm.engine.processor import PromptInput
+from jaxllm.entrypoints.openai.errors import raise_if_failed, sse_error
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
-
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
@@ -88,7 +94,8 @@ class OpenAIServing:
                 for x in p]
 
     def check_completion(self, req: CompletionRequest):
-        """-> (prompts, sampling params); ValueError for anything the engine cannot do."""
+        """-> (prompts, sampling params); ValueError for what can be told without
+        tokenizing (the rest is checked when the engine admits them)."""
         if req.echo:
             raise ValueError("echo is not supported")
         if req.suffix is not None:
@@ -97,23 +104,25 @@ class OpenAIServing:
             raise ValueError("logit_bias is not supported")
         if req.best_of is not None and req.best_of != req.n:
             raise ValueError(f"best_of must equal n ({req.n}), got {req.best_of}")
+        self.engine.engine.processor.check_priority(req.priority)
         params = req.sampling_params(req.max_tokens if req.max_tokens is not None else 16,
                                      req.logprobs)
-        prompts = self.completion_prompts(req)
-        for prompt in prompts:  # every prompt is checked before any is queued
-            self.engine.engine.processor.process(prompt, params, priority=req.priority)
-        return prompts, params
+        return self.completion_prompts(req), params
 
     async def create_completion(self, req: CompletionRequest, model: str):
         prompts, params = self.check_completion(req)
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = [self.engine.generate(p, params, f"{rid}-{i}", req.priority)
-                   for i, p in enumerate(prompts)]
+        streams = await self.engine.add_requests(
+            prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], req.priority)
         k = req.logprobs or 0
         if req.stream:
-            return self._stream_completion(streams, rid, created, model, req, k)
-        finals = await asyncio.gather(*[_last(s) for s in streams])
+            return _sse_body(self._stream_completion(streams, rid, created, model, req, k))
+        try:
+            finals = await asyncio.gather(*[_last(s) for s in streams])
+        finally:
+            for s in streams:
+                s.close()
         choices, completion_tokens = [], 0
         for i, out in enumerate(finals):
             for c in out.outputs:
@@ -130,6 +139,7 @@ class OpenAIServing:
         prompt_tokens, completion_tokens = 0, 0
         offsets: dict[int, int] = {}
         async for i, out in _merge(streams):
+            raise_if_failed(out)
             for c in out.outputs:
                 index = i * req.n + c.index
                 completion_tokens += len(c.token_ids)
@@ -147,11 +157,11 @@ class OpenAIServing:
             yield _sse({"id": rid, "object": "text_completion", "created": created,
                         "model": model, "choices": [],
                         "usage": _usage(prompt_tokens, completion_tokens)})
-        yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions --------------------------------------------------------------
 
-    def check_chat(self, req: ChatCompletionRequest):
+    def check_chat(self, req: ChatCompletionRequest) -> None:
+        """ValueError for what can be told without rendering."""
         if req.logit_bias:
             raise ValueError("logit_bias is not supported")
         if req.tools:
@@ -160,27 +170,32 @@ class OpenAIServing:
             raise ValueError("response_format other than text is not supported")
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        processor = self.engine.engine.processor
-        prompt, = processor.render_chat(
-            [req.messages], req.chat_template or self.chat_template, req.add_generation_prompt,
+        self.engine.engine.processor.check_priority(req.priority)
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> PromptInput:
+        """The conversation rendered and tokenized, off the event loop."""
+        return await self.engine.render_chat(
+            req.messages, req.chat_template or self.chat_template, req.add_generation_prompt,
             req.continue_final_message, req.chat_template_kwargs)
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
+        self.check_chat(req)
+        prompt = await self.chat_prompt(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:  # vLLM: the rest of the context
             max_tokens = max(1, self.max_model_len - len(prompt.token_ids))
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs
                                      else None)
-        processor.process(prompt, params, priority=req.priority)
-        return prompt, params
-
-    async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
-        prompt, params = self.check_chat(req)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = self.engine.generate(prompt, params, rid, req.priority)
+        stream, = await self.engine.add_requests([prompt], params, [rid], req.priority)
         k = req.top_logprobs or 0
         if req.stream:
-            return self._stream_chat(stream, rid, created, model, req, k)
-        out = await _last(stream)
+            return _sse_body(self._stream_chat(stream, rid, created, model, req, k))
+        try:
+            out = await _last(stream)
+        finally:
+            stream.close()
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": _chat_logprobs(c, k), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in out.outputs]
@@ -194,11 +209,12 @@ class OpenAIServing:
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": model, "choices": choices, "usage": usage})
 
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None} for i in range(req.n)])
-        completion_tokens, prompt_tokens = 0, 0
         async with contextlib.aclosing(stream):  # a client that leaves aborts the request
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None} for i in range(req.n)])
+            completion_tokens, prompt_tokens = 0, 0
             async for out in stream:
+                raise_if_failed(out)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     if not c.text and c.finish_reason is None and c.logprobs is None:
@@ -210,18 +226,30 @@ class OpenAIServing:
                 prompt_tokens = len(out.prompt_token_ids)
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], _usage(prompt_tokens, completion_tokens))
-        yield "data: [DONE]\n\n"
 
 
-async def _last(stream) -> RequestOutput:
+async def _sse_body(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's body: its chunks, then `data: [DONE]`, after an error event if it failed
+    once its headers were sent. A client that leaves closes it (and its requests) instead."""
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+    except Exception as error:
+        yield sse_error(error)
+    yield "data: [DONE]\n\n"
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
     out = None
     async for out in stream:
-        pass
+        raise_if_failed(out)
     return out
 
 
-async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several output streams as they produce, tagged with their index."""
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as they produce, tagged with their index; closing
+    it (or a failure of any) closes them all."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -248,3 +276,5 @@ async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     finally:
         for t in tasks:
             t.cancel()
+        for s in streams:
+            s.close()
