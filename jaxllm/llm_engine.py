@@ -123,7 +123,8 @@ class LLMEngine:
                                    max_model_len=config.max_model_len,
                                    max_logprobs=config.max_logprobs, eos_token_id=eos,
                                    extra_eos_ids=extra_eos_ids, engine_seed=config.seed,
-                                   scheduling_policy=config.scheduling_policy)
+                                   scheduling_policy=config.scheduling_policy,
+                                   max_n_sequences=config.max_n_sequences)
 
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.

@@ -28,7 +28,7 @@ from jaxllm.entrypoints.openai.errors import GenerationError
 from jaxllm.entrypoints.openai.metrics import render_metrics
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest, error_body)
-from jaxllm.entrypoints.openai.serving import OpenAIServing
+from jaxllm.entrypoints.openai.serving import DEFAULT_MAX_COMPLETION_PROMPTS, OpenAIServing
 
 
 class APIError(Exception):
@@ -42,16 +42,21 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 
 def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, served_model_names, chat_template)
+              chat_template: str | None = None, trust_request_chat_template: bool = False,
+              max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS) -> FastAPI:
+    serving = OpenAIServing(engine, served_model_names, chat_template,
+                            trust_request_chat_template=trust_request_chat_template,
+                            max_completion_prompts=max_completion_prompts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         engine.shutdown()  # graceful: uvicorn stops taking requests first
+        serving.close()
         logging.getLogger("uvicorn.error").info("jaxllm: engine shut down")
 
     app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan)
+    app.state.serving = serving
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -168,6 +173,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
 
 
 def _tokenize(engine: AsyncLLM, text: str, add_special_tokens: bool) -> list[int]:
+    engine.engine.processor.check_text(text)  # the same length bound as a prompt's
     return engine.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 

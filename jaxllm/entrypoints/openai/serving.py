@@ -1,8 +1,10 @@
 """Completions and chat completions: OpenAI request bodies -> engine streams -> OpenAI bodies.
 
 Owns the response shapes (non-streaming JSON, and SSE chunks ending in `data: [DONE]`), the
-choice indices of `n` and of several prompts, usage counts and both logprobs formats. Never
-validates ranges itself (SamplingParams
+choice indices of `n` and of several prompts, usage counts, both logprobs formats, the cap on
+prompts per request, and which chat template renders a conversation: the server's own, or
+one the request brings (refused unless the server trusts them, and then rendered in a
+bounded sandbox process, template_sandbox.py). Never validates ranges itself (SamplingParams
 and the processor do; their ValueError is a 400), never touches HTTP (api_server.py does),
 never tokenizes or renders on the event loop (AsyncLLM's input thread does), and never runs
 the engine loop.
@@ -25,10 +27,15 @@ import uuid
 from collections.abc import AsyncIterator
 
 from jaxllm.async_llm import AsyncLLM, RequestStream
-from jaxllm.engine.processor import PromptInput
+from jaxllm.engine.processor import PromptInput, chat_messages
 from jaxllm.entrypoints.openai.errors import raise_if_failed, sse_error
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxllm.entrypoints.openai.template_sandbox import TemplateSandbox
 from jaxllm.outputs import CompletionOutput, RequestOutput
+
+# vLLM's VLLM_MAX_COMPLETION_PROMPTS default: prompts in one /v1/completions request.
+DEFAULT_MAX_COMPLETION_PROMPTS = 1024
+
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
@@ -74,11 +81,26 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict | None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None):
+    def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None,
+                 *, trust_request_chat_template: bool = False,
+                 max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS):
+        """trust_request_chat_template: accept a `chat_template` in chat requests (vLLM's
+        --trust-request-chat-template); max_completion_prompts: the most prompts one
+        /v1/completions request may hold."""
         self.engine = engine
         self.model_names = model_names
         self.chat_template = chat_template
         self.max_model_len = engine.engine.config.max_model_len
+        self.max_completion_prompts = max_completion_prompts
+        processor = engine.engine.processor
+        # Request templates render in their own bounded process; nothing they build may
+        # exceed what a prompt can be.
+        self.template_sandbox = (TemplateSandbox(processor.max_prompt_chars)
+                                 if trust_request_chat_template else None)
+
+    def close(self) -> None:
+        if self.template_sandbox is not None:
+            self.template_sandbox.close()
 
     # ---- /v1/completions -----------------------------------------------------------------
 
@@ -90,6 +112,9 @@ class OpenAIServing:
             return [PromptInput(None, list(p))]
         if not p:
             raise ValueError("prompt must not be empty")
+        if len(p) > self.max_completion_prompts:
+            raise ValueError(f"prompt holds {len(p)} prompts; a request may hold at most "
+                             f"{self.max_completion_prompts} (--max-completion-prompts)")
         return [PromptInput(x, None) if isinstance(x, str) else PromptInput(None, list(x))
                 for x in p]
 
@@ -160,8 +185,9 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions --------------------------------------------------------------
 
-    def check_chat(self, req: ChatCompletionRequest) -> None:
-        """ValueError for what can be told without rendering."""
+    def check_chat(self, req: ChatCompletionRequest) -> str | None:
+        """-> the request's own chat template (None: the server's); ValueError for what can
+        be told without rendering."""
         if req.logit_bias:
             raise ValueError("logit_bias is not supported")
         if req.tools:
@@ -171,16 +197,35 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         self.engine.engine.processor.check_priority(req.priority)
+        template = req.chat_template
+        if req.chat_template_kwargs and "chat_template" in req.chat_template_kwargs:
+            template = req.chat_template_kwargs["chat_template"]
+        if template is not None and self.template_sandbox is None:
+            raise ValueError("this request brings its own chat_template, which the server "
+                             "refuses: chat templates run as code, and request templates are "
+                             "accepted only with --trust-request-chat-template")
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"chat_template must be a string, got {type(template).__name__}")
+        return template
 
-    async def chat_prompt(self, req: ChatCompletionRequest) -> PromptInput:
+    async def chat_prompt(self, req: ChatCompletionRequest, template: str | None
+                          ) -> PromptInput:
         """The conversation rendered and tokenized, off the event loop."""
-        return await self.engine.render_chat(
-            req.messages, req.chat_template or self.chat_template, req.add_generation_prompt,
-            req.continue_final_message, req.chat_template_kwargs)
+        if template is None:
+            return await self.engine.render_chat(
+                req.messages, self.chat_template, req.add_generation_prompt,
+                req.continue_final_message, req.chat_template_kwargs)
+        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+                  if k != "chat_template"}
+        text = await self.template_sandbox.render(
+            template, chat_messages(req.messages),
+            special_tokens=self.engine.tokenizer.special_tokens_map,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs)
+        return await self.engine.offload(self.engine.engine.processor.chat_prompt, text)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
-        self.check_chat(req)
-        prompt = await self.chat_prompt(req)
+        prompt = await self.chat_prompt(req, self.check_chat(req))
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:  # vLLM: the rest of the context
             max_tokens = max(1, self.max_model_len - len(prompt.token_ids))
