@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -137,6 +138,12 @@ def serve(argv: list[str]) -> None:
                     chat_template=_chat_template(server["chat_template"]),
                     trust_request_chat_template=server["trust_request_chat_template"],
                     max_completion_prompts=server["max_completion_prompts"])
+    # What startup built (weights, compiled steps, tokenizer: a large heap that lives as
+    # long as the server) leaves the collector's view: otherwise every oldest-generation
+    # collection walks all of it, a pause of hundreds of milliseconds on the event loop
+    # and the engine thread alike. vLLM freezes its API server and engine core the same way.
+    gc.collect()
+    gc.freeze()
     # uvicorn handles SIGINT / SIGTERM: stop accepting, finish in-flight responses, then the
     # app's lifespan shuts the engine down.
     uvicorn.run(app, host=server["host"], port=server["port"],
