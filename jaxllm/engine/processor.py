@@ -325,9 +325,10 @@ class Processor:
         # token, and a token spans at most max_token_chars characters.
         longest = MAX_BAD_WORD_TOKENS * self.max_token_chars
         if len(bad_words) > MAX_BAD_WORDS or any(len(w.lstrip()) > longest for w in bad_words):
-            raise ValueError(f"bad_words supports at most {MAX_BAD_WORDS} words of at most "
-                             f"{MAX_BAD_WORD_TOKENS} tokens (at most {longest} characters) "
-                             f"each, got {len(bad_words)} words, the longest of "
+            raise ValueError(f"bad_words supports at most {MAX_BAD_WORDS} token sequences "
+                             f"of at most {MAX_BAD_WORD_TOKENS} tokens (at most {longest} "
+                             f"characters; each word is one or two sequences), got "
+                             f"{len(bad_words)} words, the longest of "
                              f"{max(len(w.lstrip()) for w in bad_words)} characters")
         sequences: list[list[int]] = []
         for word in bad_words:

@@ -106,9 +106,10 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(llm):
         llm.generate("x" * (limit + 1), greedy(4), use_tqdm=False)
     with pytest.raises(ValueError, match=r"^The rendered chat prompt has \d+ characters"):
         llm.chat([{"role": "user", "content": "y" * limit}], greedy(4), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"^bad_words supports at most 32 words of at most "
-                                         r"16 tokens \(at most 1296 characters\) each, got 1 "
-                                         r"words, the longest of 20737 characters$"):
+    with pytest.raises(ValueError, match=r"^bad_words supports at most 32 token sequences "
+                                         r"of at most 16 tokens \(at most 1296 characters; "
+                                         r"each word is one or two sequences\), got 1 words, "
+                                         r"the longest of 20737 characters$"):
         llm.generate("Hi", greedy(4, bad_words=["z" * (limit + 1)]), use_tqdm=False)
 
 
