@@ -29,9 +29,10 @@ from collections.abc import AsyncIterator
 from jaxllm.async_llm import AsyncLLM, RequestStream
 from jaxllm.engine.processor import PromptInput, chat_messages
 from jaxllm.entrypoints.openai.errors import raise_if_failed, sse_error
+from jaxllm.entrypoints.openai.logprobs_format import chat_logprobs, completion_logprobs
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.entrypoints.openai.template_sandbox import TemplateSandbox
-from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.outputs import RequestOutput
 
 # vLLM's VLLM_MAX_COMPLETION_PROMPTS default: prompts in one /v1/completions request.
 DEFAULT_MAX_COMPLETION_PROMPTS = 1024
@@ -44,40 +45,6 @@ def _sse(payload: dict) -> str:
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _completion_logprobs(c: CompletionOutput, k: int, text_offset: int) -> dict | None:
-    """OpenAI's legacy completions format: tokens, token_logprobs, top_logprobs, offsets."""
-    if c.logprobs is None:
-        return None
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    for token_id, entry in zip(c.token_ids, c.logprobs):
-        chosen = entry[token_id]
-        tokens.append(chosen.decoded_token or "")
-        token_logprobs.append(chosen.logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()
-                     if lp.rank is not None and lp.rank <= k} if k else None)
-        offsets.append(text_offset)
-        text_offset += len(chosen.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-def _chat_logprobs(c: CompletionOutput, k: int) -> dict | None:
-    """Chat's format: one {token, logprob, bytes, top_logprobs} per generated token."""
-    if c.logprobs is None:
-        return None
-
-    def item(lp):
-        text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-
-    content = []
-    for token_id, entry in zip(c.token_ids, c.logprobs):
-        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
-                     key=lambda lp: lp.rank)
-        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for lp in top]})
-    return {"content": content}
 
 
 class OpenAIServing:
@@ -153,7 +120,7 @@ class OpenAIServing:
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 choices.append({"index": i * params.n + c.index, "text": c.text,
-                                "logprobs": _completion_logprobs(c, k, 0),
+                                "logprobs": completion_logprobs(c, k, 0),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -171,7 +138,7 @@ class OpenAIServing:
                 if not c.text and c.finish_reason is None and c.logprobs is None:
                     continue  # nothing visible yet (held back, or a partial character)
                 chunk = {"index": index, "text": c.text,
-                         "logprobs": _completion_logprobs(c, k, offsets.get(index, 0)),
+                         "logprobs": completion_logprobs(c, k, offsets.get(index, 0)),
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 offsets[index] = offsets.get(index, 0) + len(c.text)
                 yield _sse({"id": rid, "object": "text_completion", "created": created,
@@ -242,7 +209,7 @@ class OpenAIServing:
         finally:
             stream.close()
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c, k), "finish_reason": c.finish_reason,
+                    "logprobs": chat_logprobs(c, k), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices,
@@ -265,7 +232,7 @@ class OpenAIServing:
                     if not c.text and c.finish_reason is None and c.logprobs is None:
                         continue  # nothing visible yet (held back, or a partial character)
                     yield chunk([{"index": c.index, "delta": {"content": c.text},
-                                  "logprobs": _chat_logprobs(c, k),
+                                  "logprobs": chat_logprobs(c, k),
                                   "finish_reason": c.finish_reason,
                                   "stop_reason": c.stop_reason}])
                 prompt_tokens = len(out.prompt_token_ids)
