@@ -151,9 +151,16 @@ def assert_idle(engine):
     assert engine.is_running
 
 
+def finished(engine, reason: str) -> float:
+    return sum(m.value for m in engine.get_metrics()
+               if m.name == "jaxllm:request_success_total"
+               and m.labels["finished_reason"] == reason)
+
+
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_a_fault_fails_only_its_own_request(engine, baseline, monkeypatch, phase):
     inject, reasons = PHASES[phase]
+    errors_before = finished(engine, "error")
     inject(engine.engine, monkeypatch)
 
     async def main():
@@ -171,6 +178,10 @@ def test_a_fault_fails_only_its_own_request(engine, baseline, monkeypatch, phase
     assert {o.request_id: token_ids([o])[0] for o in others} == baseline
     assert all(c.finish_reason == "length" for o in others for c in o.outputs)
     assert_idle(engine)
+    # /metrics counts each failed sample (a failed admission never reached the output
+    # processor, which counts them).
+    assert finished(engine, "error") - errors_before == (
+        0 if phase == "admit" else reasons.count("error"))
 
     monkeypatch.undo()  # the same id, fault-free, now runs to its end
     again = asyncio.run(last(engine, VICTIM, victim_params(), "victim"))
