@@ -43,13 +43,13 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.dp_router import DPRouter
 from jaxllm.engine.engine_loop import EngineLoop, Stream
-from jaxllm.engine.processor import FanOut, PromptInput, parse_prompt
+from jaxllm.engine.processor import FanOut, ProcessedRequest, PromptInput, parse_prompt
 from jaxllm.engine.request_ids import RequestIds
 from jaxllm.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
@@ -162,19 +162,28 @@ class AsyncLLM:
             self._input_thread, functools.partial(fn, *args))
 
     async def add_requests(self, prompts: Sequence, sampling_params: SamplingParams | None = None,
-                           request_ids: Sequence[str | None] | None = None, priority: int = 0
+                           request_ids: Sequence[str | None] | None = None, priority: int = 0,
+                           *, check: Callable[[ProcessedRequest], None] | None = None
                            ) -> list[RequestStream]:
         """Check, tokenize and queue several requests sharing their parameters, all or
         nothing: -> one RequestStream each, in order. Bad input or an id already in flight
         raises ValueError before anything is queued. priority: lower is served first (needs
-        scheduling_policy="priority" unless 0)."""
+        scheduling_policy="priority" unless 0). check: the caller's own admission rule (the
+        server's context-fit check), run on each request once it is tokenized, on the input
+        thread and before anything is queued; it raises ValueError to refuse."""
         self._check_alive()
         prompts = [p if isinstance(p, PromptInput) else parse_prompt(p) for p in prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
         request_ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
         processor = self.engine.processor
-        processed = await self.offload(
-            lambda: [processor.process(p, params, priority=priority) for p in prompts])
+
+        def process(prompt: PromptInput) -> ProcessedRequest:
+            request = processor.process(prompt, params, priority=priority)
+            if check is not None:
+                check(request)
+            return request
+
+        processed = await self.offload(lambda: [process(p) for p in prompts])
         self._check_alive()
         ids = self.request_ids.reserve([(rid, r.params.n)
                                         for rid, r in zip(request_ids, processed, strict=True)])

@@ -117,9 +117,7 @@ class BeamSearch:
         engine = self.llm.llm_engine
         instances = []
         for prompt in parse_prompts(prompts):
-            ids = prompt.token_ids
-            if ids is None:
-                ids = self.tokenizer(prompt.text)["input_ids"]
+            ids = engine.processor.tokenize_prompt(prompt)
             engine.processor.check_prompt(ids)  # all prompts checked before any step runs
             instances.append(_Instance(prompt.text, list(ids),
                                        [BeamSearchSequence(tokens=list(ids), logprobs=[])]))

@@ -9,7 +9,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import math
+
+from jaxllm.unicode_text import check_text
+from jaxllm.value_ranges import (FLOAT32_MAX, FLOAT32_MIN_POSITIVE, INT32_MAX, INT64_MAX,
+                                 INT64_MIN, Range)
 
 # Temperatures below this mean greedy decoding (vLLM's `_SAMPLING_EPS`). Unlike vLLM we do not
 # raise temperatures in [1e-5, 1e-2) to 1e-2: our sampler works on logits / T with max-shifted
@@ -32,6 +35,25 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+# Each number's allowed values, as stored in the step (jaxllm/value_ranges.py): the float
+# knobs are float32, so temperature and repetition_penalty stop at float32's largest value,
+# and a repetition_penalty that float32 rounds to 0 would divide by zero. top_p keeps vLLM's
+# (0, 1]; one that float32 rounds to 0 still keeps the top token (runner/sampler.py). Token
+# counts are int32. top_k may be any size: the sampler treats k >= vocabulary as off.
+_RANGES = {
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(FLOAT32_MIN_POSITIVE, FLOAT32_MAX),
+    "temperature": Range(0.0, FLOAT32_MAX),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "min_p": Range(0.0, 1.0),
+    "max_tokens": Range(1, INT32_MAX),
+    "min_tokens": Range(0, INT32_MAX),
+}
+# Seeds are kept in 64 bits; vLLM's server takes int64 seeds.
+_SEED_RANGE = Range(INT64_MIN, INT64_MAX)
 
 
 def _is_int(value) -> bool:
@@ -149,26 +171,12 @@ class SamplingParams:
                                  f"{type(getattr(self, name)).__name__}.")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
-            raise ValueError("repetition_penalty must be a finite number greater than zero, "
-                             f"got {self.repetition_penalty}.")
-        if not math.isfinite(self.temperature) or self.temperature < 0.0:
-            raise ValueError("temperature must be a finite non-negative number, "
-                             f"got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        for name, allowed in _RANGES.items():
+            allowed.check(name, getattr(self, name))
+        if self.seed is not None:
+            _SEED_RANGE.check("seed", self.seed)
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 or -1 (disabled), or at least 1, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int of at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}.")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}.")
@@ -190,6 +198,9 @@ class SamplingParams:
                 not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise ValueError("bad_words must be a list of non-blank strings, got "
                              f"{self.bad_words!r:.80}.")
+        for name in ("stop", "bad_words"):  # bad words are tokenized at admission
+            for text in getattr(self, name) or []:
+                check_text(text, name)
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not all(
                     _is_int(t) and t >= 0 for t in self.allowed_token_ids):

@@ -6,6 +6,8 @@ import pytest
 
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
+F32_MAX = "3.4028234663852886e+38"
+
 
 def test_defaults_and_normalisation():
     p = SamplingParams()
@@ -49,23 +51,23 @@ def test_uses_penalties_and_buffer_length():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), "temperature must be a finite non-negative number, got -0.1."),
-    (dict(temperature=float("nan")), "temperature must be a finite non-negative number, got nan."),
-    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0."),
-    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
+    (dict(temperature=-0.1), f"temperature must be in [0.0, {F32_MAX}], got -0.1."),
+    (dict(temperature=float("nan")), f"temperature must be in [0.0, {F32_MAX}], got nan."),
+    (dict(top_p=0.0), "top_p must be in (0.0, 1.0], got 0.0."),
+    (dict(top_p=1.5), "top_p must be in (0.0, 1.0], got 1.5."),
     (dict(top_k=-2), "top_k must be 0 or -1 (disabled), or at least 1, got -2."),
     (dict(top_k=1.5), "top_k must be an int, got float."),
-    (dict(min_p=-0.1), "min_p must be in [0, 1], got -0.1."),
-    (dict(min_p=1.1), "min_p must be in [0, 1], got 1.1."),
+    (dict(min_p=-0.1), "min_p must be in [0.0, 1.0], got -0.1."),
+    (dict(min_p=1.1), "min_p must be in [0.0, 1.0], got 1.1."),
     (dict(n=0), "n must be at least 1, got 0."),
     (dict(n=2, temperature=0), "n must be 1 when using greedy sampling, got 2."),
-    (dict(max_tokens=0), "max_tokens must be an int of at least 1, got 0."),
-    (dict(min_tokens=-1), "min_tokens must be at least 0, got -1."),
+    (dict(max_tokens=0), "max_tokens must be in [1, 2147483647], got 0."),
+    (dict(min_tokens=-1), "min_tokens must be in [0, 2147483647], got -1."),
     (dict(min_tokens=5, max_tokens=4), "min_tokens must be at most max_tokens=4, got 5."),
     (dict(repetition_penalty=0.0),
-     "repetition_penalty must be a finite number greater than zero, got 0.0."),
-    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5."),
-    (dict(frequency_penalty=-2.5), "frequency_penalty must be in [-2, 2], got -2.5."),
+     f"repetition_penalty must be in [1.401298464324817e-45, {F32_MAX}], got 0.0."),
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2.0, 2.0], got 2.5."),
+    (dict(frequency_penalty=-2.5), "frequency_penalty must be in [-2.0, 2.0], got -2.5."),
     (dict(logprobs=-2), "logprobs must be None, -1 (the whole vocabulary) or >= 0, got -2."),
     (dict(prompt_logprobs=-2),
      "prompt_logprobs must be None, -1 (the whole vocabulary) or >= 0, got -2."),
@@ -95,7 +97,7 @@ def test_uses_penalties_and_buffer_length():
     (dict(temperature="0.7"), "temperature must be a number, got str."),
     (dict(top_p=None), "top_p must be a number, got NoneType."),
     (dict(presence_penalty=True), "presence_penalty must be a number, got bool."),
-    (dict(min_p=float("nan")), "min_p must be in [0, 1], got nan."),
+    (dict(min_p=float("nan")), "min_p must be in [0.0, 1.0], got nan."),
     (dict(ignore_eos=1), "ignore_eos must be a bool, got int."),
     (dict(detokenize="yes"), "detokenize must be a bool, got str."),
     (dict(stop_token_ids=[1, 2.0]),
@@ -104,10 +106,49 @@ def test_uses_penalties_and_buffer_length():
     (dict(stop_token_ids="7"), "stop_token_ids must contain only non-negative ints, got 7."),
     (dict(stop=[3]), "stop must contain only non-empty strings, got [3]."),
     (dict(stop=5), "stop must contain only non-empty strings, got 5."),
+    # The widths the step stores them in (issue 15, bug 2): token counts are int32, seeds
+    # 64 bits, the float knobs float32.
+    (dict(max_tokens=2**31), "max_tokens must be in [1, 2147483647], got 2147483648."),
+    (dict(min_tokens=2**31, max_tokens=2**31),
+     "max_tokens must be in [1, 2147483647], got 2147483648."),
+    (dict(min_tokens=2**31), "min_tokens must be in [0, 2147483647], got 2147483648."),
+    (dict(seed=2**63), "seed must be in [-9223372036854775808, 9223372036854775807], got "
+                       "9223372036854775808."),
+    (dict(seed=-2**63 - 1), "seed must be in [-9223372036854775808, 9223372036854775807], "
+                            "got -9223372036854775809."),
+    (dict(temperature=1e300), f"temperature must be in [0.0, {F32_MAX}], got 1e+300."),
+    (dict(temperature=float("inf")), f"temperature must be in [0.0, {F32_MAX}], got inf."),
+    (dict(temperature=10**70), f"temperature must be in [0.0, {F32_MAX}], got {10**70}."),
+    (dict(temperature=10**400), f"temperature must be in [0.0, {F32_MAX}], got an int of 1329 "
+                                "bits."),
+    (dict(repetition_penalty=1e-300),
+     f"repetition_penalty must be in [1.401298464324817e-45, {F32_MAX}], got 1e-300."),
+    (dict(repetition_penalty=float("inf")),
+     f"repetition_penalty must be in [1.401298464324817e-45, {F32_MAX}], got inf."),
+    # Text that no tokenizer can take (issue 15, bug 3).
+    (dict(stop=["ok", "\ud800"]),
+     "stop is not valid Unicode text: it holds the lone surrogate '\\ud800' at character 0"),
+    (dict(bad_words=["ab\udfff"]),
+     "bad_words is not valid Unicode text: it holds the lone surrogate '\\udfff' at "
+     "character 2"),
+    (dict(top_p=float("nan")), "top_p must be in (0.0, 1.0], got nan."),
+    (dict(presence_penalty=float("-inf")), "presence_penalty must be in [-2.0, 2.0], got -inf."),
 ])
 def test_validation_names_parameter_and_range(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_tokens=2**31 - 1, min_tokens=2**31 - 1), dict(seed=2**63 - 1), dict(seed=-2**63),
+    dict(top_k=2**31), dict(top_k=2**63), dict(top_p=1e-300), dict(top_p=5e-324),
+    dict(temperature=3.4028234663852886e38), dict(repetition_penalty=2.0**-149),
+    dict(repetition_penalty=3.4028234663852886e38), dict(min_p=5e-324)])
+def test_the_edges_of_each_width_are_accepted(kwargs):
+    # top_k of any size is vLLM's "keep k" (off at k >= the vocabulary); a top_p that float32
+    # rounds to 0 keeps the top token (tests/runner/test_sampler.py).
+    p = SamplingParams(**kwargs)
+    assert all(getattr(p, k) == v for k, v in kwargs.items())
 
 
 def test_logprobs_cap_is_the_engines():

@@ -27,6 +27,8 @@ from jaxllm.messages import EngineCoreRequest
 from jaxllm.sampling_limits import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, banned_until_min_tokens,
                                     request_seed)
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.unicode_text import check_json_text, check_text
+from jaxllm.value_ranges import ParameterError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -136,6 +138,8 @@ def check_conversation(conversation: Any, index: int = 0) -> None:
             continue
         raise ValueError(f"{where}, message {j}: content must be a string or a list of "
                          f"{{'type': 'text', 'text': str}} parts, got {content!r:.80}")
+    for j, message in enumerate(conversation):  # every field may reach the template
+        check_json_text(message, f"{where}, message {j}")
 
 
 def chat_messages(conversation: Any, index: int = 0) -> list[dict]:
@@ -210,6 +214,12 @@ class Processor:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError("chat_template_kwargs must be a dict, got "
                              f"{type(chat_template_kwargs).__name__}")
+        if chat_template is not None:
+            if not isinstance(chat_template, str):
+                raise ValueError("chat_template must be a str, got "
+                                 f"{type(chat_template).__name__}")
+            check_text(chat_template, "chat_template")
+        check_json_text(chat_template_kwargs, "chat_template_kwargs")
         if (isinstance(conversations, (list, tuple)) and conversations
                 and isinstance(conversations[0], dict)):
             conversations = [conversations]
@@ -227,16 +237,21 @@ class Processor:
             except Exception as e:  # jinja errors and template-raised exceptions
                 raise ValueError(f"the chat template failed on conversation {i}: "
                                  f"{type(e).__name__}: {e}") from e
-            prompts.append(self.chat_prompt(text))
+            if not isinstance(text, str):  # e.g. chat_template_kwargs={"return_dict": ...}
+                raise ValueError(f"the chat template gave a {type(text).__name__} for "
+                                 f"conversation {i}, not text")
+            prompts.append(self.chat_prompt(text, i))
         return prompts
 
-    def chat_prompt(self, text: str) -> PromptInput:
-        """A rendered chat -> its prompt. The template already holds any BOS: tokenizing
-        must not add a second one."""
-        self.check_text(text, "rendered chat prompt")
+    def chat_prompt(self, text: str, index: int = 0) -> PromptInput:
+        """A rendered chat (conversation `index`) -> its prompt. The template already holds
+        any BOS: tokenizing must not add a second one."""
+        self.check_text_length(text, "rendered chat prompt")
+        # A template can make what no message held ({{ '%c' % 55296 }}).
+        check_text(text, f"the chat template's output for conversation {index}")
         return PromptInput(text, self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def check_text(self, text: str, what: str = "prompt") -> None:
+    def check_text_length(self, text: str, what: str = "prompt") -> None:
         """Refuse, before tokenizing, a text too long to fit max_model_len tokens."""
         if len(text) > self.max_prompt_chars:
             raise ValueError(
@@ -254,15 +269,22 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(params).__name__}")
-        ids = prompt.token_ids
-        if ids is None:
-            self.check_text(prompt.text)
-            ids = self.tokenizer(prompt.text)["input_ids"]
+        ids = self.tokenize_prompt(prompt)
         self.check_prompt(ids)
         params = self.check_params(params)
         if output_kind is not None:
             params.output_kind = output_kind
         return ProcessedRequest(prompt.text, list(ids), params, priority)
+
+    def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
+        """The prompt's token ids: its own, or its text's. The text is first measured (one
+        too long to fit is refused without tokenizing it) and checked to be valid Unicode
+        (the tokenizer raises TypeError on a lone surrogate)."""
+        if prompt.token_ids is not None:
+            return prompt.token_ids
+        self.check_text_length(prompt.text)
+        check_text(prompt.text, "prompt")
+        return self.tokenizer(prompt.text)["input_ids"]
 
     def check_priority(self, priority) -> int:
         """An int; anything but 0 needs the "priority" scheduling policy (vLLM's check)."""
@@ -297,8 +319,8 @@ class Processor:
                              f"n={params.n}); use n")
         params = params.checked_clone()
         if params.n > self.max_n_sequences:
-            raise ValueError(f"n must be at most {self.max_n_sequences} (the engine's "
-                             f"max_n_sequences), got {params.n}")
+            raise ParameterError(f"n must be at most {self.max_n_sequences} (the engine's "
+                                 f"max_n_sequences), got {params.n}", "n")
         # -1 means the whole vocabulary, for a request and for the engine's cap (vLLM).
         cap = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):

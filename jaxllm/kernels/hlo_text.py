@@ -57,7 +57,8 @@ def full_cache_copies(hlo: str, memory, cache_specs) -> list[str]:
     `memory_analysis()` (or None). cache_specs: the step's cache arguments (a pytree of
     arrays / ShapeDtypeStructs, each compared at its per-device shard shape), which the step
     must take donated and return updated. "Cache-sized" means the dtype and element count of
-    one cache array, so reshaped views count too. Returns [] when every cache-sized
+    one cache array, so reshaped views count too (and so does any other array of that
+    element count: compile with a block count no activation shares). Returns [] when every cache-sized
     parameter is aliased to an output (donation took), no instruction copies a cache-sized
     array, and every fusion that produces a cache-sized array does so through a scatter or
     dynamic-update-slice (which XLA runs in place); otherwise one message per finding.

@@ -268,7 +268,11 @@ def apply_penalties(x_SV: jax.Array, pen: PenaltyMetadata) -> jax.Array:
     rep_S1 = pen.repetition_penalty[:, None]
     x_SV = jnp.where(seen_SV, jnp.where(x_SV > 0, x_SV / rep_S1, x_SV * rep_S1), x_SV)
     x_SV = x_SV - pen.frequency_penalty[:, None] * output_counts_SV
-    return x_SV - pen.presence_penalty[:, None] * (output_counts_SV > 0)
+    x_SV = x_SV - pen.presence_penalty[:, None] * (output_counts_SV > 0)
+    # A tiny repetition_penalty (it may be as small as float32's smallest) divides a positive
+    # logit past float32's range; +inf would make the softmax NaN, so those tokens tie at the
+    # largest finite value instead.
+    return jnp.minimum(x_SV, jnp.finfo(jnp.float32).max)
 
 
 def _apply_min_p(x_SV: jax.Array, min_p_S: jax.Array) -> jax.Array:
@@ -296,6 +300,9 @@ def apply_top_k_top_p(x_SV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array) -
         probs_SV = jax.nn.softmax(x_SV, axis=-1)
         mass_S = lambda kept_SV: jnp.sum(jnp.where(kept_SV, probs_SV, 0.0), axis=-1)  # noqa
         pth_S = _largest_threshold(key_SV, lambda kept_SV: mass_S(kept_SV) >= top_p_S)
+        # The top token always stays (vLLM's rule): a top_p that float32 rounds to 0 (say
+        # 1e-300) is "enough" with no token kept, and the search would run past every key.
+        pth_S = jnp.minimum(pth_S, jnp.max(key_SV, axis=-1))
         # top_p = 1 keeps everything: a float sum over a subset can round up to 1.0.
         pth_S = jnp.where(top_p_S >= 1.0, 0, pth_S)
         return jnp.where(key_SV >= pth_S[:, None], x_SV, -jnp.inf)
@@ -316,7 +323,8 @@ def _sortable_bits(x_SV: jax.Array) -> jax.Array:
 
 def _largest_threshold(key_SV: jax.Array, enough) -> jax.Array:
     """Per row, the largest uint32 T with enough(key_SV >= T), for `enough` monotone (true at
-    T = 0). Built greedily from the top bit down; the result is always some token's key.
+    T = 0). Built greedily from the top bit down; the result is some token's key unless
+    `enough` already holds with no token kept (then it is 0xFFFFFFFF: callers clamp).
 
       bit 31: try T = 1000...0 -> enough? keep it : drop it
       bit 30: try T | 0100...0 -> ...          (32 passes of a compare + row sum over [S, V])

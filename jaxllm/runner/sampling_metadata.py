@@ -26,6 +26,7 @@ from jaxllm.sampling_limits import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS,  # noqa:
                                     MAX_MIN_TOKENS_STOP_IDS, NO_TOKEN,
                                     banned_until_min_tokens, request_seed)
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.value_ranges import INT32_MAX
 
 # num_logprobs of a request asking for -1 (the whole vocabulary): every one the sampler lists.
 ALL_LOGPROBS = np.iinfo(np.int32).max
@@ -123,7 +124,9 @@ class SamplingSlots:
             eos_token_ids: Sequence[int]) -> None:
         banned = banned_until_min_tokens(params, eos_token_ids)
         self.temperature[slot] = params.temperature
-        self.top_k[slot] = params.top_k
+        # Any k >= the vocabulary is off in the sampler (vLLM clamps k to the vocabulary the
+        # same way), so a k past int32 is stored as int32's largest, never overflowing.
+        self.top_k[slot] = min(params.top_k, INT32_MAX)
         self.top_p[slot] = params.top_p
         self.min_p[slot] = params.min_p
         seed %= 2**64

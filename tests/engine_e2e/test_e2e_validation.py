@@ -113,8 +113,10 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(llm):
         llm.generate("Hi", greedy(4, bad_words=["z" * (limit + 1)]), use_tqdm=False)
 
 
-def test_n_is_capped_by_max_n_sequences(llm):
-    with pytest.raises(ValueError, match=r"^n must be at most 16384 \(the engine's "
-                                         r"max_n_sequences\), got 16385$"):
-        llm.generate("Hi", SamplingParams(n=16385, temperature=1.0, max_tokens=1),
+@pytest.mark.parametrize("n", [16385, 2**31, 2**63, 10**400])
+def test_n_is_capped_by_max_n_sequences(llm, n):
+    with pytest.raises(ValueError, match=rf"^n must be at most 16384 \(the engine's "
+                                         rf"max_n_sequences\), got {n}$") as refused:
+        llm.generate("Hi", SamplingParams(n=n, temperature=1.0, max_tokens=1),
                      use_tqdm=False)
+    assert refused.value.param == "n"  # the server states it as the error's param

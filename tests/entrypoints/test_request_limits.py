@@ -52,9 +52,9 @@ def post(app, path, body) -> httpx.Response:
     return asyncio.run(main())
 
 
-def refused(response: httpx.Response, message: str) -> bool:
+def refused(response: httpx.Response, message: str, param: str | None = None) -> bool:
     assert (response.status_code, response.json()) == (400, {"error": {
-        "message": message, "type": "BadRequestError", "param": None, "code": 400}})
+        "message": message, "type": "BadRequestError", "param": param, "code": 400}})
     return True
 
 
@@ -89,7 +89,7 @@ def test_a_chat_too_long_to_fit_is_refused_after_rendering(engine, apps):
 def test_n_is_capped_by_max_n_sequences(apps):
     body = {"prompt": "Hi", "max_tokens": 2, "temperature": 1.0, "seed": 1}
     assert refused(post(apps["default"], "/v1/completions", {**body, "n": 5}),
-                   "n must be at most 4 (the engine's max_n_sequences), got 5")
+                   "n must be at most 4 (the engine's max_n_sequences), got 5", "n")
     ok = post(apps["default"], "/v1/completions", {**body, "n": 4})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
 

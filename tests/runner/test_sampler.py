@@ -56,6 +56,20 @@ def test_top_k_1_and_tiny_top_p_are_greedy(step):
     np.testing.assert_array_equal(out.sampled_token_ids, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46])
+def test_top_p_that_float32_rounds_to_zero_still_samples_the_top_token(top_p):
+    # Issue 15, bug 6: top_p=1e-300 is valid (> 0) but is 0.0 in float32; the top-p search
+    # then kept no token and every row sampled token 0.
+    assert np.float32(top_p) == 0.0
+    logits = make_logits(1)
+    assert (logits.argmax(-1) != 0).all()
+    rows = [row(seed=21 + i, temperature=t, top_p=top_p) for i, t in enumerate((0.5, 1, 2, 7))]
+    md, out = run(rows, logits)
+    np.testing.assert_array_equal(out.sampled_token_ids, logits.argmax(-1))
+    kept = jax.device_get(apply_top_k_top_p(jnp.asarray(logits), md.top_k, md.top_p))
+    np.testing.assert_array_equal(np.isfinite(kept).sum(-1), [1] * S)
+
+
 def top_k_top_p_numpy(x, k, p):
     """Sort-based reference: keep the top k, then the fewest top tokens reaching mass p."""
     order = np.argsort(-x)
@@ -126,6 +140,30 @@ def test_penalties_change_the_greedy_choice():
     logits[:, 9] = 1.5
     _, out = run([row(temperature=0.0, output=[6, 6], frequency_penalty=0.5)], logits)
     assert out.sampled_token_ids[0] == 9
+
+
+def test_a_tiny_repetition_penalty_saturates_instead_of_making_nan():
+    # 1e-40 is a float32 subnormal: logit / 1e-40 overflows to +inf for any logit above ~3e-2,
+    # and +inf made the processed scores NaN. Seen tokens with positive logits now tie at
+    # float32's largest value, so sampling picks among them and every score is a number.
+    logits = np.zeros((S, V), np.float32)
+    logits[:, [3, 4]] = [0.5, 1.0]
+    logits[:, 7] = 5.0  # unseen, and far ahead before the penalty
+    rows = [row(seed=s, temperature=1.0, repetition_penalty=1e-40, prompt=(3, 4), logprobs=2)
+            for s in range(S)]
+    out = sample_modes(logits, rows, "processed_logprobs", 2)
+    assert set(out.sampled_token_ids) <= {3, 4}
+    assert not np.isnan(out.logprobs.topk_logprobs).any()
+    np.testing.assert_allclose(out.logprobs.topk_logprobs, np.log(0.5), rtol=1e-6)
+
+
+def test_a_top_k_past_int32_is_stored_as_off():
+    # vLLM treats any k >= the vocabulary as off; 2**31 used to overflow the int32 slot array
+    # and fail the whole step (issue 15, bug 2).
+    logits = np.repeat(make_logits(3)[:1], S, axis=0)
+    md, out = run([row(seed=9, top_k=2**31), row(seed=9, top_k=2**63), row(seed=9)], logits)
+    np.testing.assert_array_equal(md.top_k[:3], [2**31 - 1, 2**31 - 1, 0])
+    assert out.sampled_token_ids[0] == out.sampled_token_ids[1] == out.sampled_token_ids[2]
 
 
 def test_min_tokens_masks_eos_and_stop_token_ids():

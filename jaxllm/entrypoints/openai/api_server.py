@@ -2,11 +2,12 @@
 
 Owns the routes (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
 /health, /version, /metrics), API-key checks, the mapping of every failure to OpenAI's error
-body with the right status (400 for bad input of any kind, never 422 or 500; 404 for an
-unknown model; 401 for a missing or wrong key; 500 for a request the engine failed; 503 when
-the engine is gone), and aborting a request whose client went away. Never builds sampling
-parameters or responses itself (serving.py does), and never tokenizes or detokenizes on the
-event loop (AsyncLLM's input thread does).
+body with the right status (400 for bad input of any kind, never 422; 404 for an unknown
+model; 401 for a missing or wrong key; 500 for a request the engine failed, and for any other
+internal error, still as the error JSON and with the traceback logged; 503 when the engine is
+gone), and aborting a request whose client went away. Never builds sampling parameters or
+responses itself (serving.py does), and never tokenizes or detokenizes on the event loop
+(AsyncLLM's input thread does).
 """
 
 from __future__ import annotations
@@ -37,8 +38,42 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
+logger = logging.getLogger(__name__)
+
+
 def error_response(status: int, message: str, type_: str, param: str | None = None):
     return JSONResponse(status_code=status, content=error_body(status, message, type_, param))
+
+
+class InternalErrors:
+    """The outermost middleware: an exception no handler answered becomes OpenAI's error JSON
+    with a 500 (Starlette's last resort is a plain-text body) and its traceback is logged,
+    once. A response already started (a stream) cannot be replaced, so the exception goes on
+    to the server, which closes the connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("internal error answering %s %s", scope.get("method"),
+                             scope.get("path"))
+            response = error_response(500, f"{type(exc).__name__}: {exc}",
+                                      "InternalServerError")
+            await response(scope, receive, send)
 
 
 def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str | None = None,
@@ -65,13 +100,15 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
             return error_response(400, f"Invalid JSON body: {first.get('msg')}",
                                   "BadRequestError")
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error_response(400, f"{first.get('msg', 'invalid request')}"
-                                   + (f" ({param})" if param else ""),
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "value_error":  # our own checks: their message as written
+            message = str(first.get("ctx", {}).get("error", message))
+        return error_response(400, message + (f" ({param})" if param else ""),
                               "BadRequestError", param)
 
     @app.exception_handler(ValueError)
     async def _bad_value(request, exc: ValueError):
-        return error_response(400, str(exc), "BadRequestError")
+        return error_response(400, str(exc), "BadRequestError", getattr(exc, "param", None))
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -98,6 +135,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
                 return error_response(401, "Unauthorized: a valid API key is required",
                                       "authentication_error")
         return await call_next(request)
+
+    app.add_middleware(InternalErrors)  # added last: the outermost, around the key check too
 
     def model_name(requested: str | None) -> str:
         if requested is None:
@@ -173,7 +212,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
 
 
 def _tokenize(engine: AsyncLLM, text: str, add_special_tokens: bool) -> list[int]:
-    engine.engine.processor.check_text(text)  # the same length bound as a prompt's
+    engine.engine.processor.check_text_length(text)  # the same length bound as a prompt's
     return engine.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 

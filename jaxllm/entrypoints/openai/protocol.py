@@ -3,16 +3,20 @@
 Owns the field names and defaults of `/v1/completions` and `/v1/chat/completions` bodies,
 vLLM's sampling extras on them, and the error body `{"error": {message, type, param, code}}`.
 Never touches the engine: range checks are SamplingParams' (one place), and their ValueError
-becomes a 400 in api_server.py.
+becomes a 400 in api_server.py. Two checks belong to the wire itself: every string of a body
+must be valid Unicode (a lone surrogate such as "\\ud800" reaches no tokenizer), and seeds
+and priorities are int64, as in vLLM's server.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.unicode_text import check_json_text, check_text
+from jaxllm.value_ranges import INT64_MAX, INT64_MIN
 
 
 class ErrorInfo(BaseModel):
@@ -27,7 +31,11 @@ class ErrorResponse(BaseModel):
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
-    """OpenAI's error body, as a JSON response or an SSE event carries it."""
+    """OpenAI's error body, as a JSON response or an SSE event carries it (the one place
+    either is built)."""
+    # A message quoting the client's text could hold a lone surrogate, which no JSON
+    # response can encode: escape it rather than fail while reporting an error.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param,
                                          code=status)).model_dump()
 
@@ -36,17 +44,32 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share: OpenAI's, then vLLM's extras."""
+class _Body(BaseModel):
+    """A request body: unknown fields are refused, and every string in it, at any depth, must
+    be valid Unicode (checked before any field is parsed, naming the field)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if isinstance(key, str):
+                    check_text(key, "a field name")
+                    check_json_text(value, key)
+        return data
+
+
+class _SamplingFields(_Body):
+    """Fields both endpoints share: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
@@ -65,7 +88,7 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     request_id: str | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -111,7 +134,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None  # None: the rest of the context
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -122,9 +145,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -132,9 +153,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 

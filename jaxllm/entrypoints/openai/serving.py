@@ -4,10 +4,12 @@ Owns the response shapes (non-streaming JSON, and SSE chunks ending in `data: [D
 choice indices of `n` and of several prompts, usage counts, both logprobs formats, the cap on
 prompts per request, and which chat template renders a conversation: the server's own, or
 one the request brings (refused unless the server trusts them, and then rendered in a
-bounded sandbox process, template_sandbox.py). Never validates ranges itself (SamplingParams
-and the processor do; their ValueError is a 400), never touches HTTP (api_server.py does),
-never tokenizes or renders on the event loop (AsyncLLM's input thread does), and never runs
-the engine loop.
+bounded sandbox process, template_sandbox.py). Validates only what is the server's own: a
+chat's max_tokens named as the client sent it (max_completion_tokens or max_tokens), and
+vLLM's server rule that the prompt plus max_tokens must fit the context; every other range
+is SamplingParams' and the processor's (their ValueError is a 400). Never touches HTTP
+(api_server.py does), never tokenizes or renders on the event loop (AsyncLLM's input thread
+does), and never runs the engine loop.
 
 Every request is admitted (tokenized, checked, its ids reserved) before a response starts,
 so bad input is a 400 even for a stream. After that a stream always ends with
@@ -21,18 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from jaxllm.async_llm import AsyncLLM, RequestStream
-from jaxllm.engine.processor import PromptInput, chat_messages
+from jaxllm.engine.processor import ProcessedRequest, PromptInput, chat_messages
 from jaxllm.entrypoints.openai.errors import raise_if_failed, sse_error
 from jaxllm.entrypoints.openai.logprobs_format import chat_logprobs, completion_logprobs
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.entrypoints.openai.template_sandbox import TemplateSandbox
 from jaxllm.outputs import RequestOutput
+from jaxllm.value_ranges import INT32_MAX, ParameterError, Range
 
 # vLLM's VLLM_MAX_COMPLETION_PROMPTS default: prompts in one /v1/completions request.
 DEFAULT_MAX_COMPLETION_PROMPTS = 1024
@@ -105,8 +109,11 @@ class OpenAIServing:
         prompts, params = self.check_completion(req)
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        # Every prompt is tokenized and checked, its room in the context too, before any is
+        # queued (on the input thread).
         streams = await self.engine.add_requests(
-            prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], req.priority)
+            prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], req.priority,
+            check=functools.partial(self.check_fits_context, param="max_tokens"))
         k = req.logprobs or 0
         if req.stream:
             return _sse_body(self._stream_completion(streams, rid, created, model, req, k))
@@ -175,6 +182,18 @@ class OpenAIServing:
             raise ValueError(f"chat_template must be a string, got {type(template).__name__}")
         return template
 
+    def chat_max_tokens_param(self, req: ChatCompletionRequest) -> str | None:
+        """The field that sets this chat's max_tokens, its range checked and named as the
+        client sent it: max_completion_tokens, else max_tokens; None when neither is given
+        (the rest of the context). `is not None`, never `or`: max_completion_tokens=0 is
+        refused (as vLLM does), not read as "not given"."""
+        for param in ("max_completion_tokens", "max_tokens"):
+            value = getattr(req, param)
+            if value is not None:
+                Range(1, INT32_MAX).check(param, value)
+                return param
+        return None
+
     async def chat_prompt(self, req: ChatCompletionRequest, template: str | None
                           ) -> PromptInput:
         """The conversation rendered and tokenized, off the event loop."""
@@ -184,23 +203,42 @@ class OpenAIServing:
                 req.continue_final_message, req.chat_template_kwargs)
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
                   if k != "chat_template"}
+        messages = await self.engine.offload(chat_messages, req.messages)
         text = await self.template_sandbox.render(
-            template, chat_messages(req.messages),
+            template, messages,
             special_tokens=self.engine.tokenizer.special_tokens_map,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs)
         return await self.engine.offload(self.engine.engine.processor.chat_prompt, text)
 
+    def check_fits_context(self, request: ProcessedRequest, param: str) -> None:
+        """vLLM's server refuses a request whose prompt plus max_tokens exceeds the context
+        (offline, LLM.generate stops at max_model_len instead). Runs as add_requests' check:
+        on the input thread, once the prompt is tokenized and before anything is queued."""
+        prompt_len, max_tokens = len(request.prompt_token_ids), request.params.max_tokens
+        room = self.max_model_len - prompt_len
+        if max_tokens > room:
+            raise ParameterError(f"{param}={max_tokens} does not fit: the prompt has "
+                                 f"{prompt_len} tokens and the model's maximum context length "
+                                 f"is {self.max_model_len}, so {param} must be at most {room}.",
+                                 param)
+
     async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
-        prompt = await self.chat_prompt(req, self.check_chat(req))
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:  # vLLM: the rest of the context
+        template = self.check_chat(req)
+        param = self.chat_max_tokens_param(req)
+        prompt = await self.chat_prompt(req, template)
+        fits = None
+        if param is not None:
+            max_tokens = getattr(req, param)
+            fits = functools.partial(self.check_fits_context, param=param)
+        else:  # vLLM: the rest of the context
             max_tokens = max(1, self.max_model_len - len(prompt.token_ids))
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs
                                      else None)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream, = await self.engine.add_requests([prompt], params, [rid], req.priority)
+        stream, = await self.engine.add_requests([prompt], params, [rid], req.priority,
+                                                 check=fits)
         k = req.top_logprobs or 0
         if req.stream:
             return _sse_body(self._stream_chat(stream, rid, created, model, req, k))
