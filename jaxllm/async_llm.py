@@ -6,13 +6,19 @@ each request, and what every replica must hear: aborts, prefix-cache resets, dea
 a model step on the event loop (each engine steps on its own thread, engine/engine_loop.py),
 and never lets one stream's failure reach another.
 
-    event loop (asyncio)                          engine thread of replica r
-    generate(): check + tokenize, reserve the     loop: take commands (admit, abort)
-      request's ids (ValueError here, before            LLMEngine.step()  -- device work
-      anything is queued), route it to a                outputs -> each request's queue
-      replica r (engine/dp_router.py)
-      -> command "admit"  ------------------->
-    async for out in stream  <--- call_soon_threadsafe ---
+    event loop (asyncio)            input thread         engine thread of replica r
+    add_requests(): ------------->  check + tokenize     loop: take commands (admit, abort)
+      reserve the requests' ids <-  (ValueError here,          LLMEngine.step()  -- device
+      (ValueError here), route each  nothing queued)           outputs -> each request's
+      to a replica r (dp_router.py)                             queue
+      -> command "admit"  ------------------------------->
+    async for out in stream  <----------------------- call_soon_threadsafe ---
+
+The event loop never tokenizes or renders a chat template: that work (bounded by the
+processor's length checks, but still up to milliseconds per request) runs on one input
+thread, as vLLM's async tokenization does, so that /health and every other stream keep
+answering while a long prompt is being read. One thread, because a fast tokenizer shared
+between threads that tokenize at once is not safe.
 
 Why a thread and not a process: the engine's device step runs without the GIL, and with
 async scheduling its host work overlaps the device (benchmarks/serve.py measures serving
@@ -25,9 +31,10 @@ Request ids are checked once, by the `RequestIds` every replica shares
 (engine/request_ids.py): it holds every parent and child id from `generate` until an engine
 thread has finished the request, so a request admitted but not yet applied counts too.
 
-If an engine loop itself raises (not a failed step, which only fails its own requests), the
-whole front end is dead: every waiting stream gets `EngineDeadError`, so does every later
-call, and the other replicas stop.
+Every stream ends: with its request's final output (finish_reason "error" when the engine
+failed it), or with `EngineDeadError` if an engine loop itself raises (not a failed request,
+which fails alone) or the engine shuts down first. After a death the whole front end is dead:
+every later call gets `EngineDeadError` too, and the other replicas stop.
 """
 
 from __future__ import annotations
@@ -35,13 +42,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.dp_router import DPRouter
 from jaxllm.engine.engine_loop import EngineLoop, Stream
-from jaxllm.engine.processor import PromptInput, parse_prompt
+from jaxllm.engine.processor import FanOut, ProcessedRequest, PromptInput, parse_prompt
 from jaxllm.engine.request_ids import RequestIds
 from jaxllm.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
@@ -55,6 +63,53 @@ class EngineDeadError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class AsyncEngineArgs(EngineConfig):
     """The engine arguments of `AsyncLLM.from_engine_args`: the same fields as `LLM(...)`."""
+
+
+class RequestStream:
+    """One admitted request's outputs, in order, as an async iterator that ends after its
+    finished output (or raises EngineDeadError). Closing it before then, or dropping it
+    unread, aborts the request."""
+
+    def __init__(self, owner: "AsyncLLM", request_id: str, replica: int, channel: Stream):
+        self.request_id = request_id
+        self.finished = False
+        self._owner, self._replica, self._channel = owner, replica, channel
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._channel.queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        """Stop reading: an unfinished request is aborted. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        owner = self._owner
+        owner._live.discard(self._channel)
+        self._channel.closed = True
+        owner.router.finished(self._replica)
+        if not self.finished and not owner.errored:
+            owner.loops[self._replica].send("drop", (self.request_id, self._channel))
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A stream handed to a response that was never started (its client left first) is
+        # only ever garbage: its request must not run on unread.
+        self.close()
 
 
 class AsyncLLM:
@@ -73,6 +128,8 @@ class AsyncLLM:
             prefix_affinity=resolved.enable_prefix_caching)
         self._live: set[Stream] = set()  # streams of unfinished requests: all hear of death
         self._stopped = False
+        self._input_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="jaxllm-input")
         self.dead_error: BaseException | None = None
         self.loops = [EngineLoop(engine, self._died, f"jaxllm-engine-loop-{rank}")
                       for rank, engine in enumerate(self.engines)]
@@ -98,6 +155,52 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return all(loop.is_alive for loop in self.loops) and not self.errored
 
+    async def offload(self, fn, *args):
+        """fn(*args) on the input thread (tokenizing, rendering a chat template), awaited:
+        the event loop never does this work itself."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._input_thread, functools.partial(fn, *args))
+
+    async def add_requests(self, prompts: Sequence, sampling_params: SamplingParams | None = None,
+                           request_ids: Sequence[str | None] | None = None, priority: int = 0,
+                           *, check: Callable[[ProcessedRequest], None] | None = None
+                           ) -> list[RequestStream]:
+        """Check, tokenize and queue several requests sharing their parameters, all or
+        nothing: -> one RequestStream each, in order. Bad input or an id already in flight
+        raises ValueError before anything is queued. priority: lower is served first (needs
+        scheduling_policy="priority" unless 0). check: the caller's own admission rule (the
+        server's context-fit check), run on each request once it is tokenized, on the input
+        thread and before anything is queued; it raises ValueError to refuse."""
+        self._check_alive()
+        prompts = [p if isinstance(p, PromptInput) else parse_prompt(p) for p in prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        request_ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+        processor = self.engine.processor
+
+        def process(prompt: PromptInput) -> ProcessedRequest:
+            request = processor.process(prompt, params, priority=priority)
+            if check is not None:
+                check(request)
+            return request
+
+        processed = await self.offload(lambda: [process(p) for p in prompts])
+        self._check_alive()
+        ids = self.request_ids.reserve([(rid, r.params.n)
+                                        for rid, r in zip(request_ids, processed, strict=True)])
+        streams = [self._admit(processor.fan_out(r, rid)) for r, rid in zip(processed, ids)]
+        if self.errored or self._stopped:  # a loop may have died before it saw these streams
+            for stream in streams:
+                stream.close()
+            self._check_alive()
+        return streams
+
+    def _admit(self, request: FanOut) -> RequestStream:
+        replica = self.router.route(request.prompt_token_ids)
+        channel = Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._live.add(channel)
+        self.loops[replica].send("admit", (request, channel))
+        return RequestStream(self, request.request_id, replica, channel)
+
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
@@ -105,33 +208,23 @@ class AsyncLLM:
         {"prompt"} / {"prompt_token_ids"} dict, or a PromptInput. Bad input raises ValueError
         here, before anything is queued. Cancelling the consumer aborts the request.
         priority: lower is served first (needs scheduling_policy="priority" unless 0)."""
-        self._check_alive()
-        prompt = prompt if isinstance(prompt, PromptInput) else parse_prompt(prompt)
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        processor = self.engine.processor
-        processed = processor.process(prompt, params, priority=priority)
-        request_id, = self.request_ids.reserve([(request_id, params.n)])
-        fanned = processor.fan_out(processed, request_id)
-        replica = self.router.route(processed.prompt_token_ids)
-        loop = self.loops[replica]
-        stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._live.add(stream)
-        loop.send("admit", (fanned, stream))
-        finished = False
+        stream, = await self.add_requests([prompt], sampling_params, [request_id], priority)
         try:
-            self._check_alive()  # a loop may have died before it could see this stream
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for out in stream:
+                yield out
         finally:
-            self._live.discard(stream)
-            stream.closed = True
-            self.router.finished(replica)
-            if not finished and not self.errored:
-                loop.send("drop", (request_id, stream))  # the consumer went away
+            stream.close()
+
+    async def render_chat(self, messages, chat_template: str | None = None,
+                          add_generation_prompt: bool = True,
+                          continue_final_message: bool = False,
+                          chat_template_kwargs: dict[str, Any] | None = None) -> PromptInput:
+        """One conversation rendered by a (trusted) chat template and tokenized, on the input
+        thread."""
+        prompt, = await self.offload(
+            self.engine.processor.render_chat, [messages], chat_template,
+            add_generation_prompt, continue_final_message, chat_template_kwargs)
+        return prompt
 
     async def chat(self, messages, sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, *, chat_template: str | None = None,
@@ -140,9 +233,8 @@ class AsyncLLM:
                    ) -> AsyncIterator[RequestOutput]:
         """`generate` on one conversation rendered by the model's chat template."""
         self._check_alive()
-        prompt, = self.engine.processor.render_chat(
-            [messages], chat_template, add_generation_prompt, continue_final_message,
-            chat_template_kwargs)
+        prompt = await self.render_chat(messages, chat_template, add_generation_prompt,
+                                        continue_final_message, chat_template_kwargs)
         async for out in self.generate(prompt, sampling_params, request_id, priority):
             yield out
 
@@ -180,6 +272,10 @@ class AsyncLLM:
             loop.join(timeout=30)
         for engine in self.engines:
             engine.shutdown()  # with several processes: the followers stop
+        self._input_thread.shutdown(wait=False, cancel_futures=True)
+        gone = EngineDeadError("the engine has been shut down")
+        for stream in list(self._live):  # no output will ever come: end them
+            stream.put(gone)
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:

@@ -70,6 +70,9 @@ class EngineConfig:
     # Log a stats line every 10 s while there is work (engine/stat_logger.py). False here as
     # in vLLM's EngineArgs (so `jaxllm serve` logs); LLM(...) defaults to True, as vLLM's.
     disable_log_stats: bool = False
+    # The largest `n` (samples of one request) admitted: vLLM's VLLM_MAX_N_SEQUENCES and its
+    # default, here an engine argument (`--max-n-sequences`).
+    max_n_sequences: int = 16384
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "gguf_file", "compilation_cache_dir", "master_addr"):
@@ -79,7 +82,7 @@ class EngineConfig:
         for name in ("seed", "block_size", "max_logprobs", "tensor_parallel_size",
                      "data_parallel_size", "nnodes", "node_rank", "master_port",
                      "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_memory_bytes", "num_gpu_blocks_override"):
+                     "kv_cache_memory_bytes", "num_gpu_blocks_override", "max_n_sequences"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be an int, got {type(value).__name__}")
@@ -100,7 +103,7 @@ class EngineConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_memory_bytes", "num_gpu_blocks_override"):
+                     "kv_cache_memory_bytes", "num_gpu_blocks_override", "max_n_sequences"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None for the default), got {value}")

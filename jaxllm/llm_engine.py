@@ -5,6 +5,9 @@ and the request-id bookkeeping between them. Input checks live in `engine/proces
 the step loop in `engine/core.py`, user-facing outputs in `engine/output_processor.py`. A
 request that fails its checks raises ValueError before anything is added, so it never
 disturbs requests already in flight; `add_requests` admits a whole batch or nothing.
+
+A request that fails inside the engine (admitting it, or any part of a step) fails whole: all
+its `n` samples end, their blocks are freed, and the other requests go on.
 """
 
 from __future__ import annotations
@@ -120,7 +123,8 @@ class LLMEngine:
                                    max_model_len=config.max_model_len,
                                    max_logprobs=config.max_logprobs, eos_token_id=eos,
                                    extra_eos_ids=extra_eos_ids, engine_seed=config.seed,
-                                   scheduling_policy=config.scheduling_policy)
+                                   scheduling_policy=config.scheduling_policy,
+                                   max_n_sequences=config.max_n_sequences)
 
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.
@@ -230,16 +234,33 @@ class LLMEngine:
                                         for r, rid in zip(processed, request_ids, strict=True)])
         fanned: list[FanOut] = [self.processor.fan_out(r, rid, arrival_time)
                                 for r, rid in zip(processed, ids)]
-        for request in fanned:
-            self.admit(request)
+        admitted: list[str] = []
+        try:
+            for request in fanned:
+                self.admit(request)
+                admitted.append(request.request_id)
+        except BaseException:
+            for request in fanned[len(admitted):]:
+                self.request_ids.release(request.request_id)
+            self.discard_requests(admitted)
+            raise
         return ids
 
     def admit(self, request: FanOut) -> None:
-        """Queue a request the processor has checked and fanned out (its ids reserved)."""
+        """Queue a request the processor has checked and fanned out (its ids reserved). All
+        or nothing: if this raises, nothing of the request stays and its ids are free."""
         self.process_group.check_leader()
-        self.output_processor.add_request(request, request.children[0].arrival_time)
-        for child in request.children:
-            self.engine_core.add_request(child)
+        added: list[str] = []
+        try:
+            self.output_processor.add_request(request, request.children[0].arrival_time)
+            for child in request.children:
+                self.engine_core.add_request(child)
+                added.append(child.request_id)
+        except BaseException:
+            self.engine_core.finish_requests(added, RequestStatus.FINISHED_ERROR)
+            self.output_processor.forget(request)
+            self.request_ids.release(request.request_id)
+            raise
 
     def abort_request(self, request_ids) -> None:
         """Abort requests by id (a parent id aborts all its `n` children). Their blocks are
@@ -265,26 +286,37 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step: the outputs it emits (finished requests, and for CUMULATIVE / DELTA
-        requests every one that advanced). If the step raises, the requests it carried are
-        finished with an error and StepFailed (listing them, with the original exception as
-        its cause) is raised; the engine keeps serving the rest."""
+        requests every one that advanced). A request that failed on its own in this step
+        (its scheduling, update or output) ends with finish_reason "error" among them. If the
+        model step itself raises, the requests it carried are finished with an error and
+        StepFailed (listing them, with the original exception as its cause, and with every
+        output this step owes in `request_outputs`) is raised; the engine keeps serving the
+        rest."""
         finished, self._aborted_outputs = self._aborted_outputs, []
         try:
             engine_outputs = self.engine_core.step()
         except StepFailed as failure:
-            # A failed step fails whole user requests: their other children end too.
             children = self.output_processor.children
             failure.request_ids = sorted({children[c].parent.request_id
                                           for c in failure.req_ids if c in children})
-            self.output_processor.process_outputs(failure.outputs)
-            self.abort_now(failure.request_ids)
+            done, _ = self.output_processor.process_outputs(failure.outputs)
+            failure.request_outputs = finished + done + self._end_failed_requests()
             raise
         done, stopped = self.output_processor.process_outputs(engine_outputs)
         if stopped:
             self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        ended = self._end_failed_requests()
         if self.stat_logger is not None:
             self.stat_logger.maybe_log(self.scheduler.make_stats)
-        return finished + done
+        return finished + done + ended
+
+    def _end_failed_requests(self) -> list[RequestOutput]:
+        """A failed sample fails its whole request: finish in the engine core the samples
+        whose output failed, and abort the failed requests' other samples (-> their final
+        outputs)."""
+        failures = self.output_processor.take_failures()
+        self.engine_core.finish_requests(failures.child_ids, RequestStatus.FINISHED_ERROR)
+        return self.abort_now(failures.parent_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's name). Refused (False) while requests hold

@@ -111,7 +111,7 @@ class EngineMetrics:
             value = getattr(stats, field)
             kind = Counter if field in _COUNTERS else Gauge
             out.append(kind(name, dict(self.labels), value))
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):  # vLLM's FinishReason values
             out.append(Counter("jaxllm:request_success_total",
                                {**self.labels, "finished_reason": reason},
                                self.finished_by_reason[reason]))

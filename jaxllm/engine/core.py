@@ -16,7 +16,9 @@ processing overlap the device. Placeholder tokens are fed on the device (runner/
 
 A step that raises fails the requests it carried, not the engine: they finish with
 finish_reason "error", their blocks are freed, and the exception reaches the caller with the
-failed request ids attached. Everything else keeps running.
+failed request ids attached. Everything else keeps running. A request whose own scheduling or
+update raises fails alone (engine/scheduler.py): its "error" output comes out of the step like
+any other output.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ logger = logging.getLogger(__name__)
 class StepFailed(RuntimeError):
     """A step raised: `outputs` are the final (finish_reason "error") outputs of the requests
     it carried (`req_ids`, engine-core ids); `__cause__` is the original exception. The
-    front end sets `request_ids` to the user-level ids that failed."""
+    front end sets `request_ids` to the user-level ids that failed and `request_outputs` to
+    the user-level outputs the step owes (their final "error" outputs among them)."""
 
     def __init__(self, outputs: list[EngineCoreOutput], cause: BaseException):
         ids = [o.req_id for o in outputs]
@@ -43,6 +46,7 @@ class StepFailed(RuntimeError):
         self.outputs = outputs
         self.req_ids = ids
         self.request_ids: list[str] = ids
+        self.request_outputs: list = []
 
 
 class EngineCore:
@@ -78,8 +82,10 @@ class EngineCore:
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.async_scheduling:
-            return self._step_async()
+        outputs = self._step_async() if self.async_scheduling else self._step_sync()
+        return self.scheduler.take_failed_outputs() + outputs
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
         try:
             runner_output = self.runner.execute_model(so)
@@ -113,7 +119,8 @@ class EngineCore:
             for other, _ in self._in_flight:
                 failed += [r for r in other.num_scheduled_tokens if r not in failed]
             self._in_flight.clear()
-        outputs = self.scheduler.fail_requests(failed)
+        # With them, the requests that failed alone in this step's schedule.
+        outputs = self.scheduler.take_failed_outputs() + self.scheduler.fail_requests(failed)
         if not self.runner.device_state_ok():
             # The KV cache and token history are gone: start them over and let every
             # request still running recompute what it had (as after a preemption).

@@ -11,7 +11,9 @@ device work, and releases the GIL while it does.
                                        engine.step() -> outputs -> streams[id].put(out)
     send("drop", (id, stream))      -> abort id only if it is still that stream's request
 
-If the loop itself raises (not a failed step, which only fails its own requests), it calls
+A request that fails inside the engine ends like any other: its stream gets its final
+output, with finish_reason "error" (admission that raises, a failed step, a failure of its
+own scheduling, update or output); the loop goes on. If the loop itself raises, it calls
 `on_death(exception)` and stops: the front end then fails every stream.
 """
 
@@ -25,6 +27,7 @@ import threading
 from collections.abc import Callable
 
 from jaxllm.engine.core import StepFailed
+from jaxllm.engine.output_processor import failed_request_output
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +95,7 @@ class EngineLoop:
                 try:
                     outputs = engine.step()
                 except StepFailed as failure:
-                    for request_id in failure.request_ids:
-                        self._deliver(request_id, failure)
-                    continue
+                    outputs = failure.request_outputs
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # the loop itself broke: nothing can run here any more
@@ -110,7 +111,11 @@ class EngineLoop:
             if command == "admit":
                 fanned, stream = payload
                 self._streams[fanned.request_id] = stream
-                self.engine.admit(fanned)
+                try:
+                    self.engine.admit(fanned)
+                except Exception:  # it left nothing behind (LLMEngine.admit): only it fails
+                    logger.exception("admitting request %r failed", fanned.request_id)
+                    self._deliver(fanned.request_id, failed_request_output(fanned))
             elif command == "call":
                 fn, done = payload
                 try:

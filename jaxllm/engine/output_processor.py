@@ -14,11 +14,18 @@ the concatenation of DELTA outputs is exactly the final output. Never schedules:
 string ends a request, it reports the id back so the engine finishes it in the scheduler; an
 abort names the child ids the engine core must drop. When a parent's last child ends, its ids
 are released (engine/request_ids.py), on the engine's thread, before its outputs are handed on.
+
+A completion that ends with finish_reason "error" carries no text and no tokens: nothing of
+it is a result, and its detokenizer may be what failed. If building one child's output raises
+(detokenizing, stop strings, logprobs), that child alone ends with "error". Either way a
+failed child fails its whole request: `take_failures()` names the children the engine core
+must still finish and the parents whose other children must be aborted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
@@ -28,6 +35,8 @@ from jaxllm.engine.request_ids import RequestIds
 from jaxllm.messages import EngineCoreOutput
 from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -59,6 +68,28 @@ class ChildState:
     num_sent_tokens: int = 0  # DELTA: token ids (and their logprobs) already emitted
 
 
+@dataclasses.dataclass(frozen=True)
+class Failures:
+    """What a step's failed children leave for the engine to do."""
+
+    child_ids: list[str]  # failed here, still unfinished in the engine core
+    parent_ids: list[str]  # requests with a failed child and others still running
+
+
+def failed_request_output(request: FanOut) -> RequestOutput:
+    """The final output of a request that failed before the engine ever held it (at
+    admission): every completion ends with "error"."""
+    return RequestOutput(
+        request_id=request.request_id, prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids, prompt_logprobs=None,
+        outputs=[_failed_completion(i) for i in range(len(request.children))], finished=True)
+
+
+def _failed_completion(index: int) -> CompletionOutput:
+    return CompletionOutput(index=index, text="", token_ids=[], cumulative_logprob=None,
+                            logprobs=None, finish_reason="error", stop_reason=None)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, metrics=None, request_ids: RequestIds | None = None):
         """metrics: a jaxllm.metrics.EngineMetrics that sees each request's latencies.
@@ -69,19 +100,36 @@ class OutputProcessor:
         self.request_ids = request_ids if request_ids is not None else RequestIds()
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, ChildState] = {}
+        self._failed_children: list[str] = []
+        self._failed_parents: list[str] = []
 
     def add_request(self, request: FanOut, arrival_time: float) -> None:
+        """All or nothing: every child's state is built before any is registered."""
         parent = ParentRequest(request.request_id, request.prompt, request.prompt_token_ids,
                                len(request.children), request.params.output_kind,
                                RequestMetrics(arrival_time=arrival_time))
-        self.parents[request.request_id] = parent
+        children = {}
         for index, child in enumerate(request.children):
             params = child.sampling_params
             tok = self.tokenizer if params.detokenize else None
-            self.children[child.request_id] = ChildState(
+            children[child.request_id] = ChildState(
                 parent, index, params,
                 IncrementalDetokenizer(tok, params, parent.prompt_token_ids),
                 LogprobsProcessor(params, tok))
+        self.parents[request.request_id] = parent
+        self.children.update(children)
+
+    def forget(self, request: FanOut) -> None:
+        """Drop a request whose admission failed, without emitting anything."""
+        self.parents.pop(request.request_id, None)
+        for child in request.children:
+            self.children.pop(child.request_id, None)
+
+    def take_failures(self) -> Failures:
+        """The children that failed (and their parents) since the last call."""
+        failures = Failures(self._failed_children, list(dict.fromkeys(self._failed_parents)))
+        self._failed_children, self._failed_parents = [], []
+        return failures
 
     def abort_requests(self, request_ids) -> tuple[list[str], list[RequestOutput]]:
         """Abort parents (all their children) or single children, by id. -> (the child ids the
@@ -116,35 +164,47 @@ class OutputProcessor:
             child = self.children.get(out.req_id)
             if child is None:
                 continue
-            parent = child.parent
-            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-            if out.new_prompt_logprobs is not None:
-                self._add_prompt_logprobs(child, *out.new_prompt_logprobs)
-            if out.new_token_ids:
-                self._token_times(parent.metrics, now)
-            if out.new_logprobs is not None:
-                child.logprobs.add_sample_logprobs(out.new_logprobs)
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            child.token_ids.extend(out.new_token_ids)
-            text_ids = out.new_token_ids
-            if finish_reason == "stop" and not child.params.include_stop_str_in_output:
-                text_ids = text_ids[:-1]  # the EOS / stop token itself is not shown as text
-            stop_str = child.detokenizer.update(text_ids)
-            if stop_str is not None:
-                # A stop string wins even when the same token also hit max_tokens (vLLM).
-                if finish_reason is None:
-                    stopped_by_string.append(out.req_id)
-                finish_reason, stop_reason = "stop", stop_str
-            if finish_reason is not None:
-                del self.children[out.req_id]
-                result = self._end_child(child, finish_reason, stop_reason, now)
-            elif parent.output_kind != RequestOutputKind.FINAL_ONLY and out.new_token_ids:
-                result = self._stream_output(child, None, None)
-            else:
-                result = None
+            try:
+                result = self._process_output(child, out, now, stopped_by_string)
+            except Exception as error:
+                logger.error("building the output of request %r failed (%s: %s); it finishes "
+                             "with an error", out.req_id, type(error).__name__, error,
+                             exc_info=error)
+                self.children.pop(out.req_id, None)
+                self._failed_children.append(out.req_id)
+                result = self._end_child(child, "error", None, now)
             if result is not None:
                 emitted.append(result)
         return emitted, stopped_by_string
+
+    def _process_output(self, child: ChildState, out: EngineCoreOutput, now: float,
+                        stopped_by_string: list[str]) -> RequestOutput | None:
+        """Fold one child's step into its completion; -> what to emit for it."""
+        parent = child.parent
+        parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.new_prompt_logprobs is not None:
+            self._add_prompt_logprobs(child, *out.new_prompt_logprobs)
+        if out.new_token_ids:
+            self._token_times(parent.metrics, now)
+        if out.new_logprobs is not None:
+            child.logprobs.add_sample_logprobs(out.new_logprobs)
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        child.token_ids.extend(out.new_token_ids)
+        text_ids = out.new_token_ids
+        if finish_reason == "stop" and not child.params.include_stop_str_in_output:
+            text_ids = text_ids[:-1]  # the EOS / stop token itself is not shown as text
+        stop_str = child.detokenizer.update(text_ids)
+        if stop_str is not None:
+            # A stop string wins even when the same token also hit max_tokens (vLLM).
+            if finish_reason is None:
+                stopped_by_string.append(out.req_id)
+            finish_reason, stop_reason = "stop", stop_str
+        if finish_reason is not None:
+            del self.children[out.req_id]
+            return self._end_child(child, finish_reason, stop_reason, now)
+        if parent.output_kind != RequestOutputKind.FINAL_ONLY and out.new_token_ids:
+            return self._stream_output(child, self._running_completion(child))
+        return None
 
     def _token_times(self, m: RequestMetrics, now: float) -> None:
         if m.last_token_time is not None and self.metrics is not None:
@@ -159,12 +219,17 @@ class OutputProcessor:
         """Record a child's final completion; -> what to emit for it (None while a
         FINAL_ONLY parent still waits for other children)."""
         parent = child.parent
-        parent.completions[child.index] = self._completion(child, finish_reason, stop_reason,
-                                                           final=True, delta=False)
+        if finish_reason == "error":
+            final = streamed = _failed_completion(child.index)
+        else:
+            final = self._completion(child, finish_reason, stop_reason, final=True, delta=False)
+            streamed = None
+        parent.completions[child.index] = final
         done = len(parent.completions) == parent.n
-        if done:
+        if finish_reason == "error" and not done:
+            self._failed_parents.append(parent.request_id)
+        if done and self.parents.pop(parent.request_id, None) is not None:
             parent.metrics.finished_time = now
-            del self.parents[parent.request_id]
             self.request_ids.release(parent.request_id)
             if self.metrics is not None:
                 completions = list(parent.completions.values())
@@ -174,16 +239,21 @@ class OutputProcessor:
                     [c.finish_reason for c in completions])
         if parent.output_kind == RequestOutputKind.FINAL_ONLY:
             return self._make_output(parent) if done else None
-        return self._stream_output(child, finish_reason, stop_reason)
+        if streamed is None:
+            streamed = self._completion(
+                child, finish_reason, stop_reason, final=True,
+                delta=parent.output_kind == RequestOutputKind.DELTA)
+        return self._stream_output(child, streamed)
 
-    def _stream_output(self, child: ChildState, finish_reason, stop_reason) -> RequestOutput:
+    def _running_completion(self, child: ChildState) -> CompletionOutput:
+        delta = child.parent.output_kind == RequestOutputKind.DELTA
+        return self._completion(child, None, None, final=False, delta=delta)
+
+    def _stream_output(self, child: ChildState, completion: CompletionOutput) -> RequestOutput:
         """One child's CUMULATIVE or DELTA completion, in a RequestOutput of its parent."""
         parent = child.parent
-        delta = parent.output_kind == RequestOutputKind.DELTA
-        completion = self._completion(child, finish_reason, stop_reason,
-                                      final=finish_reason is not None, delta=delta)
         prompt_logprobs = parent.prompt_logprobs
-        if delta and parent.prompt_logprobs_sent:
+        if parent.output_kind == RequestOutputKind.DELTA and parent.prompt_logprobs_sent:
             prompt_logprobs = None
         parent.prompt_logprobs_sent = True
         return RequestOutput(

@@ -6,6 +6,11 @@ admission check (types and ranges, vocabulary, lengths, the engine's caps), and 
 fan-out into child requests with their seeds. Shared by `LLM`, `LLMEngine` and the async
 front ends. Never schedules, never touches a device: everything it rejects is rejected
 before anything is queued.
+
+Text is measured before it is tokenized: no token of the vocabulary spells more than
+`longest_token_chars` characters (a byte-level vocabulary spells each byte as one character,
+and a character is at least one byte), so a text longer than max_model_len times that cannot
+fit the model and is refused at the cost of one len(), instead of seconds of tokenizing.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from jaxllm.sampling_limits import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, banned_u
                                     request_seed)
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.unicode_text import check_json_text, check_text
+from jaxllm.value_ranges import ParameterError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -136,6 +142,12 @@ def check_conversation(conversation: Any, index: int = 0) -> None:
         check_json_text(message, f"{where}, message {j}")
 
 
+def chat_messages(conversation: Any, index: int = 0) -> list[dict]:
+    """A checked conversation as chat templates read it: each content one string."""
+    check_conversation(conversation, index)
+    return [_text_content(m) for m in conversation]
+
+
 def _text_content(message: dict) -> dict:
     """OpenAI's list of text parts joined into one string (as vLLM does for text models):
     chat templates expect a string."""
@@ -163,16 +175,28 @@ def _token_list(ids, name: str) -> list[int]:
     return [int(t) for t in ids]
 
 
+def longest_token_chars(tokenizer) -> int:
+    """Characters in the longest spelling of a token in the tokenizer's vocabulary (added and
+    special tokens included): no token covers more characters of a text than this."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
 class Processor:
     """Validation, tokenization and fan-out for one engine (its tokenizer and limits)."""
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
                  eos_token_id: int | None, extra_eos_ids: Sequence[int], engine_seed: int,
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", max_n_sequences: int = 16384):
+        """max_n_sequences: the largest `n` a request may ask for (vLLM's
+        VLLM_MAX_N_SEQUENCES, the engine argument `max_n_sequences` here)."""
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_n_sequences = max_n_sequences
+        self.max_token_chars = longest_token_chars(tokenizer)
+        # Longer text cannot tokenize to max_model_len tokens or fewer.
+        self.max_prompt_chars = max_model_len * self.max_token_chars
         self.max_logprobs = max_logprobs
         self.eos_token_id = eos_token_id
         self.extra_eos_ids = list(extra_eos_ids)
@@ -199,14 +223,13 @@ class Processor:
         if (isinstance(conversations, (list, tuple)) and conversations
                 and isinstance(conversations[0], dict)):
             conversations = [conversations]
-        conversations = _as_list(conversations, "messages")
-        for i, conv in enumerate(conversations):
-            check_conversation(conv, i)
+        conversations = [chat_messages(conv, i)
+                         for i, conv in enumerate(_as_list(conversations, "messages"))]
         prompts = []
         for i, conv in enumerate(conversations):
             try:
                 text = self.tokenizer.apply_chat_template(
-                    [_text_content(m) for m in conv], chat_template=chat_template,
+                    conv, chat_template=chat_template,
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
@@ -217,12 +240,25 @@ class Processor:
             if not isinstance(text, str):  # e.g. chat_template_kwargs={"return_dict": ...}
                 raise ValueError(f"the chat template gave a {type(text).__name__} for "
                                  f"conversation {i}, not text")
-            # A template can make what no message held ({{ '%c' % 55296 }}).
-            check_text(text, f"the chat template's output for conversation {i}")
-            # The template already holds any BOS; tokenizing must not add a second one.
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            prompts.append(PromptInput(text, ids))
+            prompts.append(self.chat_prompt(text, i))
         return prompts
+
+    def chat_prompt(self, text: str, index: int = 0) -> PromptInput:
+        """A rendered chat (conversation `index`) -> its prompt. The template already holds
+        any BOS: tokenizing must not add a second one."""
+        self.check_text_length(text, "rendered chat prompt")
+        # A template can make what no message held ({{ '%c' % 55296 }}).
+        check_text(text, f"the chat template's output for conversation {index}")
+        return PromptInput(text, self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def check_text_length(self, text: str, what: str = "prompt") -> None:
+        """Refuse, before tokenizing, a text too long to fit max_model_len tokens."""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"The {what} has {len(text)} characters; the limit is {self.max_prompt_chars} "
+                f"(the maximum model length of {self.max_model_len} tokens times "
+                f"{self.max_token_chars}, the most characters one token of this tokenizer "
+                "spans), so it cannot fit and was refused without tokenizing it.")
 
     def process(self, prompt: PromptInput, params: SamplingParams,
                 output_kind: RequestOutputKind | None = None, priority: int = 0
@@ -241,10 +277,12 @@ class Processor:
         return ProcessedRequest(prompt.text, list(ids), params, priority)
 
     def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
-        """The prompt's token ids: its own, or its text's (checked to be valid Unicode first:
-        the tokenizer raises TypeError on a lone surrogate)."""
+        """The prompt's token ids: its own, or its text's. The text is first measured (one
+        too long to fit is refused without tokenizing it) and checked to be valid Unicode
+        (the tokenizer raises TypeError on a lone surrogate)."""
         if prompt.token_ids is not None:
             return prompt.token_ids
+        self.check_text_length(prompt.text)
         check_text(prompt.text, "prompt")
         return self.tokenizer(prompt.text)["input_ids"]
 
@@ -280,6 +318,9 @@ class Processor:
             raise ValueError(f"best_of is not supported (got best_of={params.best_of}, "
                              f"n={params.n}); use n")
         params = params.checked_clone()
+        if params.n > self.max_n_sequences:
+            raise ParameterError(f"n must be at most {self.max_n_sequences} (the engine's "
+                                 f"max_n_sequences), got {params.n}", "n")
         # -1 means the whole vocabulary, for a request and for the engine's cap (vLLM).
         cap = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -302,6 +343,15 @@ class Processor:
         leading space, so it is banned at the start of the text and after a space; the
         spaced form only when it starts with another token and has as many tokens (else it
         is the same word split differently)."""
+        # Refused before tokenizing: each word is one or two sequences of at least one
+        # token, and a token spans at most max_token_chars characters.
+        longest = MAX_BAD_WORD_TOKENS * self.max_token_chars
+        if len(bad_words) > MAX_BAD_WORDS or any(len(w.lstrip()) > longest for w in bad_words):
+            raise ValueError(f"bad_words supports at most {MAX_BAD_WORDS} token sequences "
+                             f"of at most {MAX_BAD_WORD_TOKENS} tokens (at most {longest} "
+                             f"characters; each word is one or two sequences), got "
+                             f"{len(bad_words)} words, the longest of "
+                             f"{max(len(w.lstrip()) for w in bad_words)} characters")
         sequences: list[list[int]] = []
         for word in bad_words:
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)

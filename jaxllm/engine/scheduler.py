@@ -39,10 +39,16 @@ a request also gives it an output placeholder, turned into the real token by
 async scheduling the next step is scheduled first, and its placeholder row is fed on the
 device from the previous step's sample. A request whose placeholders already reach its
 max_tokens or max_model_len is not scheduled again: its last token is in flight.
+
+One request's failure is its own: if scheduling or updating a request raises (its token
+count, its blocks, its new tokens), that request alone finishes with an error, its blocks
+are freed, and the step goes on without it; its final output (finish_reason "error") comes
+out of `take_failed_outputs()`, which the engine core drains every step.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
@@ -56,6 +62,9 @@ from jaxllm.messages import (
     NewRequestData,
     SchedulerOutput,
 )
+
+logger = logging.getLogger(__name__)
+_FAILED = object()  # what `_guarded` returns when the request's own call raised
 
 
 class Scheduler:
@@ -89,6 +98,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Preempted outside schedule() (preempt_all): the next SchedulerOutput tells the runner.
         self._preempted_req_ids: set[str] = set()
+        # Final outputs of requests that failed on their own (`_isolate`), not yet reported.
+        self._failed_outputs: list[EngineCoreOutput] = []
 
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -181,11 +192,15 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = self._num_new_tokens(request, token_budget)
+            # A request that fails here has left `running`: the next one is at req_index.
+            num_new_tokens = self._guarded(request, self._num_new_tokens, request, token_budget)
+            if num_new_tokens is _FAILED:
+                continue
             if num_new_tokens == 0:
                 req_index += 1
                 continue
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            block_ids = self._guarded(request, self.kv_cache_manager.allocate_slots, request,
+                                      num_new_tokens)
             while block_ids is None:  # preempt until its blocks fit
                 victim = self.waiting.preemption_victim(self.running)
                 if self.running.index(victim) < req_index:
@@ -200,8 +215,9 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is request:
                     break
-                block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-            if block_ids is None:
+                block_ids = self._guarded(request, self.kv_cache_manager.allocate_slots,
+                                          request, num_new_tokens)
+            if block_ids is None or block_ids is _FAILED:
                 # It was the victim: it preempted itself. vLLM stops here; the requests
                 # behind it are more important (with "fcfs" there are none), so go on.
                 continue
@@ -216,13 +232,12 @@ class Scheduler:
         while (not preempted and self.waiting and token_budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek_request()
-            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            tail = self.kv_cache_manager.get_cached_tail(request, num_hit)
-            num_hit += tail.num_tokens if tail is not None else 0
-            num_new_tokens = self._num_new_tokens(request, token_budget, num_hit)
-            if self.kv_cache_manager.allocate_slots(request, num_new_tokens,
-                                                    computed_blocks, tail) is None:
+            planned = self._guarded(request, self._plan_waiting, request, token_budget)
+            if planned is _FAILED:
+                continue  # it has left `waiting`
+            if planned is None:
                 break
+            num_hit, num_new_tokens = planned
             self.waiting.pop_request()
             self._record_cache_hit(request, num_hit)
             request.num_computed_tokens = num_hit
@@ -264,44 +279,65 @@ class Scheduler:
         index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
         stopped: set[Request] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:  # the runner's contract
+            if req_id in self.requests and req_id not in index:
+                raise ValueError(f"the runner output has no entry for scheduled request "
+                                 f"{req_id!r}")
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None:  # finished from outside after it was scheduled
                 continue
-            if req_id not in index:
-                raise ValueError(f"the runner output has no entry for scheduled request {req_id!r}")
-            i = index[req_id]
-            sampled = model_runner_output.sampled_token_ids[i]
-            if sampled and request.num_stale_outputs:
-                # Sampled before this request was preempted; it will be sampled again.
-                request.num_stale_outputs -= 1
+            out = self._guarded(request, self._update_request, request, index,
+                                model_runner_output)
+            if out is _FAILED:
                 continue
-            assert not sampled or request.num_output_placeholders, (
-                f"{request}: tokens sampled before its prefill completed")
-            # One placeholder per sampling step, however many tokens that step produced.
-            request.num_output_placeholders -= 1 if sampled else 0
-            new_token_ids = self._append_until_stop(request, sampled)
-            prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
-            if new_token_ids:
-                # Blocks that just filled join the prefix cache, before any free below.
-                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if request.is_finished():
                 stopped.add(request)
-                self._free_request(request)
-            if new_token_ids or request.is_finished() or prompt_logprobs is not None:
-                logprobs = model_runner_output.logprobs
-                outputs.append(EngineCoreOutput(
-                    req_id=req_id,
-                    new_token_ids=new_token_ids,
-                    finish_reason=request.get_finished_reason(),
-                    stop_reason=request.stop_reason,
-                    new_logprobs=None if logprobs is None else logprobs[i],
-                    new_prompt_logprobs=prompt_logprobs,
-                    num_cached_tokens=request.num_cached_tokens,
-                ))
+            if out is not None:
+                outputs.append(out)
         if stopped:
             self.running = [r for r in self.running if r not in stopped]
         return outputs
+
+    def _update_request(self, request: Request, index: dict[str, int],
+                        model_runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
+        """Fold one request's sampled tokens back; -> its output of this step, if any."""
+        req_id = request.request_id
+        i = index[req_id]
+        sampled = model_runner_output.sampled_token_ids[i]
+        if sampled and request.num_stale_outputs:
+            # Sampled before this request was preempted; it will be sampled again.
+            request.num_stale_outputs -= 1
+            return None
+        assert not sampled or request.num_output_placeholders, (
+            f"{request}: tokens sampled before its prefill completed")
+        # One placeholder per sampling step, however many tokens that step produced.
+        request.num_output_placeholders -= 1 if sampled else 0
+        new_token_ids = self._append_until_stop(request, sampled)
+        prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+        if new_token_ids:
+            # Blocks that just filled join the prefix cache, before any free below.
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        if request.is_finished():
+            self._free_request(request)
+        if not (new_token_ids or request.is_finished() or prompt_logprobs is not None):
+            return None
+        logprobs = model_runner_output.logprobs
+        return EngineCoreOutput(
+            req_id=req_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason,
+            new_logprobs=None if logprobs is None else logprobs[i],
+            new_prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def take_failed_outputs(self) -> list[EngineCoreOutput]:
+        """The final outputs (finish_reason "error") of requests that failed on their own since
+        the last call."""
+        failed, self._failed_outputs = self._failed_outputs, []
+        return failed
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -316,6 +352,35 @@ class Scheduler:
         )
 
     # -- helpers ------------------------------------------------------------------------
+    def _guarded(self, request: Request, call, *args):
+        """call(*args), a step of `request`'s own scheduling or update. If it raises, the
+        request alone fails (`_isolate`) and this returns _FAILED."""
+        try:
+            return call(*args)
+        except Exception as error:
+            self._isolate(request, error)
+            return _FAILED
+
+    def _isolate(self, request: Request, error: Exception) -> None:
+        """Finish a request whose own step raised: FINISHED_ERROR, blocks freed (and uncached:
+        their K/V may never have been written), its final output queued for the engine."""
+        logger.error("request %r failed in the scheduler (%s: %s); it finishes with an "
+                     "error and the step goes on without it", request.request_id,
+                     type(error).__name__, error, exc_info=error)
+        self._failed_outputs += self.fail_requests([request.request_id])
+
+    def _plan_waiting(self, request: Request, token_budget: int) -> tuple[int, int] | None:
+        """Take a waiting request's cached prefix and the blocks for what it computes next;
+        -> (tokens found cached, tokens to schedule), or None when its blocks do not fit."""
+        computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+        tail = self.kv_cache_manager.get_cached_tail(request, num_hit)
+        num_hit += tail.num_tokens if tail is not None else 0
+        num_new_tokens = self._num_new_tokens(request, token_budget, num_hit)
+        if self.kv_cache_manager.allocate_slots(request, num_new_tokens,
+                                                computed_blocks, tail) is None:
+            return None
+        return num_hit, num_new_tokens
+
     def _num_new_tokens(self, request: Request, token_budget: int,
                         num_computed_tokens: int | None = None) -> int:
         """Tokens to schedule after `num_computed_tokens` (default: the request's; a waiting

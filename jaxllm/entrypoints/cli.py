@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -24,7 +25,13 @@ import typing
 from jaxllm.config import EngineConfig
 
 SERVER_DEFAULTS = dict(host="0.0.0.0", port=8000, api_key=None, served_model_name=None,
-                       chat_template=None, uvicorn_log_level="info", headless=False)
+                       chat_template=None, uvicorn_log_level="info", headless=False,
+                       trust_request_chat_template=False, max_completion_prompts=1024)
+
+
+def _flag_bool(s: str) -> bool:
+    return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[
+        s.lower()]
 
 
 def _engine_flag_type(field: dataclasses.Field):
@@ -32,8 +39,7 @@ def _engine_flag_type(field: dataclasses.Field):
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     kind = args[0]
     if kind is bool:
-        return lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False,
-                          "no": False}[s.lower()]
+        return _flag_bool
     return kind if kind in (int, float, str) else str
 
 
@@ -50,6 +56,11 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require this key (or set JAXLLM_API_KEY)")
     serve.add_argument("--served-model-name", help="the model name clients use")
     serve.add_argument("--chat-template", help="a Jinja template, or a file holding one")
+    serve.add_argument("--trust-request-chat-template", type=_flag_bool, nargs="?",
+                       const=True, help="accept a chat_template in chat requests (rendered "
+                                        "in a bounded sandbox process); refused otherwise")
+    serve.add_argument("--max-completion-prompts", type=int,
+                       help="the most prompts one /v1/completions request may hold (1024)")
     serve.add_argument("--uvicorn-log-level")
     serve.add_argument("--headless", action="store_true",
                        help="a follower node (--node-rank > 0): no API server, it replays the "
@@ -124,7 +135,15 @@ def serve(argv: list[str]) -> None:
     engine = AsyncLLM(config, use_tqdm=True)
     name = server["served_model_name"] or config.model or DEFAULT_MODEL
     app = build_app(engine, served_model_names=[name], api_key=server["api_key"],
-                    chat_template=_chat_template(server["chat_template"]))
+                    chat_template=_chat_template(server["chat_template"]),
+                    trust_request_chat_template=server["trust_request_chat_template"],
+                    max_completion_prompts=server["max_completion_prompts"])
+    # What startup built (weights, compiled steps, tokenizer: a large heap that lives as
+    # long as the server) leaves the collector's view: otherwise every oldest-generation
+    # collection walks all of it, a pause of hundreds of milliseconds on the event loop
+    # and the engine thread alike. vLLM freezes its API server and engine core the same way.
+    gc.collect()
+    gc.freeze()
     # uvicorn handles SIGINT / SIGTERM: stop accepting, finish in-flight responses, then the
     # app's lifespan shuts the engine down.
     uvicorn.run(app, host=server["host"], port=server["port"],

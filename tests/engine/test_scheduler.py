@@ -372,3 +372,53 @@ def test_async_preemption_drops_stale_tokens_and_resamples_after_recompute():
     outs = sched.update_from_output(out1, ModelRunnerOutput(["a", "b"], [[20], [30]]))
     assert [(o.req_id, o.new_token_ids) for o in outs] == [("a", [20])]
     assert b.output_token_ids == [] and b.num_stale_outputs == 0
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def _fail_for(request_id, call):
+    def wrapped(request, *args, **kwargs):
+        if request.request_id == request_id:
+            raise Injected(request_id)
+        return call(request, *args, **kwargs)
+    return wrapped
+
+
+@pytest.mark.parametrize("phase", ["waiting", "running"])
+def test_a_request_whose_scheduling_raises_fails_alone(phase):
+    """b's own block allocation raises: b finishes with an error and frees its blocks, a and
+    c are scheduled as if b had never been there."""
+    sched = make_scheduler()
+    for req_id in "abc":
+        sched.add_request(make_request(req_id, 6))
+    if phase == "running":
+        step(sched)  # all three prefilled: 2 blocks each (block_size 4)
+        assert {r: len(b) for r, b in sched.kv_cache_manager.req_to_blocks.items()} == {
+            "a": 2, "b": 2, "c": 2}
+    kv = sched.kv_cache_manager
+    kv.allocate_slots = _fail_for("b", kv.allocate_slots)
+    out = sched.schedule()
+    assert sorted(out.num_scheduled_tokens) == ["a", "c"]
+    assert out.finished_req_ids == {"b"}  # the runner drops its row (if it had one)
+    assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in sched.take_failed_outputs()
+            ] == [("b", [], "error")]
+    assert sched.take_failed_outputs() == []
+    assert "b" not in sched.requests and "b" not in kv.req_to_blocks
+    assert [r.request_id for r in sched.running] == ["a", "c"]
+    assert kv.num_free_blocks == kv.num_blocks - 1 - 4
+
+
+def test_a_request_whose_update_raises_fails_alone():
+    sched = make_scheduler()
+    for req_id in "abc":
+        sched.add_request(make_request(req_id, 6))
+    out = sched.schedule()
+    sched._append_until_stop = _fail_for("b", sched._append_until_stop)
+    outputs = sched.update_from_output(out, runner_output(sched, out, {"a": [11], "c": [13]}))
+    assert [(o.req_id, o.new_token_ids) for o in outputs] == [("a", [11]), ("c", [13])]
+    assert [(o.req_id, o.finish_reason) for o in sched.take_failed_outputs()] == [
+        ("b", "error")]
+    assert [r.request_id for r in sched.running] == ["a", "c"]
+    assert sorted(sched.kv_cache_manager.req_to_blocks) == ["a", "c"]

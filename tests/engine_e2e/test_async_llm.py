@@ -121,6 +121,32 @@ def test_cancelling_the_consumer_aborts_the_request(engine):
     assert_idle(engine)
 
 
+def test_a_stream_dropped_unread_aborts_its_request(engine):
+    """A server response that never started (its client left first) drops its stream
+    unread: the request must not run on."""
+    def aborted():
+        return sum(m.value for m in engine.get_metrics()
+                   if m.name == "jaxllm:request_success_total"
+                   and m.labels.get("finished_reason") == "abort")
+
+    before = aborted()
+
+    async def main():
+        p = params(RequestOutputKind.DELTA)
+        p.max_tokens = 200
+        streams = await engine.add_requests([PROMPT], p, ["unread"])
+        assert "unread" in engine.request_ids
+        del streams
+
+    run(main())
+    for _ in range(500):  # the engine thread applies the admit, then the drop
+        if "unread" not in engine.request_ids:
+            break
+        run(asyncio.sleep(0.01))
+    assert "unread" not in engine.request_ids and aborted() == before + 1
+    assert_idle(engine)
+
+
 def test_bad_input_raises_before_anything_is_queued(engine):
     async def main():
         good = asyncio.create_task(collect(engine, PROMPT, params(RequestOutputKind.FINAL_ONLY)))

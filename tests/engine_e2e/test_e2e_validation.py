@@ -95,3 +95,28 @@ def test_rejected_requests_do_not_disturb_requests_in_flight(llm, tokenizer):
     assert [o.prompt_token_ids for o in got] == prompts
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
     assert not engine.output_processor.has_unfinished()
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(llm):
+    limit = MAX_MODEL_LEN * 81  # SmolLM2's longest token spans 81 characters
+    assert llm.llm_engine.processor.max_prompt_chars == limit
+    with pytest.raises(ValueError, match=rf"^The prompt has {limit + 1} characters; the limit "
+                                         rf"is {limit} \(the maximum model length of "
+                                         rf"{MAX_MODEL_LEN} tokens times 81"):
+        llm.generate("x" * (limit + 1), greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^The rendered chat prompt has \d+ characters"):
+        llm.chat([{"role": "user", "content": "y" * limit}], greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^bad_words supports at most 32 token sequences "
+                                         r"of at most 16 tokens \(at most 1296 characters; "
+                                         r"each word is one or two sequences\), got 1 words, "
+                                         r"the longest of 20737 characters$"):
+        llm.generate("Hi", greedy(4, bad_words=["z" * (limit + 1)]), use_tqdm=False)
+
+
+@pytest.mark.parametrize("n", [16385, 2**31, 2**63, 10**400])
+def test_n_is_capped_by_max_n_sequences(llm, n):
+    with pytest.raises(ValueError, match=rf"^n must be at most 16384 \(the engine's "
+                                         rf"max_n_sequences\), got {n}$") as refused:
+        llm.generate("Hi", SamplingParams(n=n, temperature=1.0, max_tokens=1),
+                     use_tqdm=False)
+    assert refused.value.param == "n"  # the server states it as the error's param

@@ -135,9 +135,10 @@ FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 2.5, math.nan, math.inf, -math.inf,
 SAMPLING_FIELDS = ["presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
                    "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
                    "prompt_logprobs", "best_of", "stop_token_ids", "allowed_token_ids"]
-# n's upper bound is a cap on the engine's work (vLLM's max-n), tested with that cap; an
-# accepted n of 2^31 would fan out 2^31 requests here.
-N_VALUES = [0, -1, 1, 2, 3, 2.0, math.nan, math.inf, 5e-324]
+# n is bounded by the engine's max_n_sequences (16384 here, vLLM's default): past it, refused
+# at admission (an accepted n of 2^31 would fan out 2^31 requests).
+N_VALUES = [0, -1, 1, 2, 3, 2.0, math.nan, math.inf, 5e-324, 16385, 2**31 - 1, 2**31, 2**63,
+            10**400]
 
 
 @st.composite

@@ -21,9 +21,10 @@ ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL
 
 
 class InProcessApp:
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, **app_options):
+        """app_options: build_app's server options (e.g. trust_request_chat_template)."""
         self.engine = AsyncLLM(AsyncEngineArgs(model=model_dir, **ENGINE))
-        self.app = build_app(self.engine, served_model_names=["tiny"])
+        self.app = build_app(self.engine, served_model_names=["tiny"], **app_options)
 
     def client(self) -> httpx.AsyncClient:
         # raise_app_exceptions=False: a client sees what a server would send, never the
@@ -65,6 +66,7 @@ class InProcessApp:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.app.state.serving.close()  # the template sandbox's process, if one started
 
 
 def error_of(response: httpx.Response, status: int) -> dict:

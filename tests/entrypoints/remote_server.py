@@ -24,11 +24,13 @@ def free_port() -> int:
 
 class RemoteServer:
     def __init__(self, args: list[str], *, env: dict | None = None, timeout: float = 600,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", launcher: list[str] | None = None):
+        """launcher: the command that takes `serve ARGS` (default: jaxllm's CLI)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-c", "from jaxllm.entrypoints.cli import main; main()",
-               "serve", *args, "--host", "127.0.0.1", "--port", str(self.port),
+        launcher = launcher or [sys.executable, "-c",
+                                "from jaxllm.entrypoints.cli import main; main()"]
+        cmd = [*launcher, "serve", *args, "--host", "127.0.0.1", "--port", str(self.port),
                "--uvicorn-log-level", log_level]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -22,7 +22,10 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    app = InProcessApp(build_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_bad"))))
+    # Request templates are trusted here, so that what a template renders reaches the
+    # checks (an untrusted one is refused before rendering: test_request_limits.py).
+    app = InProcessApp(build_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_bad"))),
+                       trust_request_chat_template=True)
     yield app
     app.shutdown()
 
@@ -87,6 +90,16 @@ def test_numbers_past_their_width_are_400s_naming_the_field(server, path, body, 
                                                             message):
     assert error_of(server.post(path, body), 400) == {
         "message": message, "type": "BadRequestError", "param": param, "code": 400}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("n", [16385, 2**31, 2**63, 10**400])
+def test_an_n_past_max_n_sequences_is_a_400_naming_n(server, path, n):
+    # Nothing bounded n before the cap: 2^31 children would have been fanned out.
+    body = {"prompt": "Hi"} if path == "/v1/completions" else CHAT
+    assert error_of(server.post(path, {**body, "n": n, "temperature": 1}), 400) == {
+        "message": f"n must be at most 16384 (the engine's max_n_sequences), got {n}",
+        "type": "BadRequestError", "param": "n", "code": 400}
 
 
 @pytest.mark.parametrize("path, body, field", [
@@ -154,13 +167,13 @@ def test_a_minus_inf_logprob_is_stated_as_vllms_floor():
     # A processed logprobs_mode gives masked tokens -inf, which JSON cannot carry: the
     # non-streaming response failed to encode (a 400 for a valid request) and streams sent
     # the invalid token -Infinity.
-    from jaxllm.entrypoints.openai.serving import _chat_logprobs, _completion_logprobs
+    from jaxllm.entrypoints.openai.logprobs_format import chat_logprobs, completion_logprobs
     from jaxllm.outputs import CompletionOutput, Logprob
 
     entry = {7: Logprob(0.0, 1, "a"), 9: Logprob(-math.inf, 2, "b")}
     c = CompletionOutput(0, "a", [7], 0.0, [entry], "length")
-    legacy = _completion_logprobs(c, 2, 0)
+    legacy = completion_logprobs(c, 2, 0)
     assert legacy["top_logprobs"] == [{"a": 0.0, "b": -9999.0}]
-    chat = _chat_logprobs(c, 2)
+    chat = chat_logprobs(c, 2)
     assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [0.0, -9999.0]
     json.dumps([legacy, chat], allow_nan=False)  # what a JSON response needs

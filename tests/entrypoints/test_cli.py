@@ -70,3 +70,17 @@ def test_a_headless_follower_builds_the_engine_and_serves_no_api(monkeypatch):
     cli.serve(["m", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
                "--headless"])
     assert [(c.model, c.nnodes, c.node_rank) for c in built] == [("m", 2, 1)]
+
+
+def test_hardening_flags():
+    server, engine = resolve_args([])
+    assert (server["trust_request_chat_template"], server["max_completion_prompts"],
+            engine.max_n_sequences) == (False, 1024, 16384)  # vLLM's defaults
+    server, engine = resolve_args(["--trust-request-chat-template", "--max-completion-prompts",
+                                   "8", "--max-n-sequences", "4"])
+    assert (server["trust_request_chat_template"], server["max_completion_prompts"],
+            engine.max_n_sequences) == (True, 8, 4)
+    assert resolve_args(["--trust-request-chat-template", "false"])[0][
+        "trust_request_chat_template"] is False
+    with pytest.raises(ValueError, match="max_n_sequences must be >= 1"):
+        resolve_args(["--max-n-sequences", "0"])

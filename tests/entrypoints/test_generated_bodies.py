@@ -40,10 +40,11 @@ NUMBERS = ["0", "-1", "1", "2", "2147483647", "2147483648", "-2147483649",
            "-Infinity", "5e-324", "1e-300", "1e-46", "1.401298464324817e-45", "1.17549435e-38",
            "3.4028234663852886e38", "3.5e38", "1e308", "1e400", "-0.0", "0.5", "2.5", "-2.0",
            "49151", "49152", "true", "null", '"1"']
-# n's upper bound is a cap on the engine's work (vLLM's max-n), tested with that cap: an
-# accepted n of 2^31 would fan out 2^31 requests.
+# n is bounded by the engine's max_n_sequences (16384 here, vLLM's default): past it, a 400
+# before anything is queued (an accepted n of 2^31 would fan out 2^31 requests).
 N_VALUES = ["0", "-1", "1", "2", "3", "2.0", "NaN", "Infinity", "1e400", "5e-324", "true",
-            "null", '"2"', "[2]"]
+            "null", '"2"', "[2]", "16385", "2147483647", "2147483648", "9223372036854775808",
+            "1" + "0" * 400]
 WRONG_TYPES = ['"x"', '""', "[]", "{}", '[1, "a"]', '{"a": 1}', "true", "null", "[[[]]]",
                "-1.5", '"\\u0000"', '["\\n"]']
 SURROGATES = ['"\\ud800"', '"ab\\udfffcd"', '"\\udc00\\ud800"', '"ok \\ud83d"']
@@ -219,7 +220,9 @@ CLASSES = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    app = InProcessApp(build_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_fuzz"))))
+    # Request templates are trusted, so that the generated ones render (in the sandbox).
+    app = InProcessApp(build_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_fuzz"))),
+                       trust_request_chat_template=True)
     yield app
     app.shutdown()
 

@@ -3,9 +3,11 @@
 Owns the routes (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
 /health, /version, /metrics), API-key checks, the mapping of every failure to OpenAI's error
 body with the right status (400 for bad input of any kind, never 422; 404 for an unknown
-model; 401 for a missing or wrong key; 500, still as the error JSON and with the traceback
-logged, only for an internal error), and aborting a request whose client went away. Never
-builds sampling parameters or responses itself (serving.py does).
+model; 401 for a missing or wrong key; 500 for a request the engine failed, and for any other
+internal error, still as the error JSON and with the traceback logged; 503 when the engine is
+gone), and aborting a request whose client went away. Never builds sampling parameters or
+responses itself (serving.py does), and never tokenizes or detokenizes on the event loop
+(AsyncLLM's input thread does).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
 from jaxllm.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.entrypoints.openai.errors import GenerationError
 from jaxllm.entrypoints.openai.metrics import render_metrics
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                DetokenizeRequest, TokenizeRequest)
-from jaxllm.entrypoints.openai.serving import OpenAIServing
+                                                DetokenizeRequest, TokenizeRequest, error_body)
+from jaxllm.entrypoints.openai.serving import DEFAULT_MAX_COMPLETION_PROMPTS, OpenAIServing
 
 
 class APIError(Exception):
@@ -39,11 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None):
-    # A message quoting the client's text could hold a lone surrogate, which no JSON
-    # response can encode: escape it rather than fail while reporting an error.
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return JSONResponse(status_code=status, content={"error": {
-        "message": message, "type": type_, "param": param, "code": status}})
+    return JSONResponse(status_code=status, content=error_body(status, message, type_, param))
 
 
 class InternalErrors:
@@ -78,16 +77,21 @@ class InternalErrors:
 
 
 def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, served_model_names, chat_template)
+              chat_template: str | None = None, trust_request_chat_template: bool = False,
+              max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS) -> FastAPI:
+    serving = OpenAIServing(engine, served_model_names, chat_template,
+                            trust_request_chat_template=trust_request_chat_template,
+                            max_completion_prompts=max_completion_prompts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         engine.shutdown()  # graceful: uvicorn stops taking requests first
+        serving.close()
         logging.getLogger("uvicorn.error").info("jaxllm: engine shut down")
 
     app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan)
+    app.state.serving = serving
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -113,6 +117,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
     @app.exception_handler(EngineDeadError)
     async def _dead(request, exc: EngineDeadError):
         return error_response(503, str(exc), "ServiceUnavailableError")
+
+    @app.exception_handler(GenerationError)
+    async def _failed(request, exc: GenerationError):
+        return error_response(500, str(exc), "InternalServerError")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
@@ -167,14 +175,13 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         model_name(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("give exactly one of prompt and messages")
-        processor = engine.engine.processor
         if body.messages is not None:
-            prompt, = processor.render_chat([body.messages], chat_template,
-                                            body.add_generation_prompt)
+            prompt = await engine.render_chat(body.messages, chat_template,
+                                              body.add_generation_prompt)
             tokens = prompt.token_ids
         else:
-            tokens = engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens
-                                      )["input_ids"]
+            tokens = await engine.offload(_tokenize, engine, body.prompt,
+                                          body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
     @app.post("/detokenize")
@@ -184,7 +191,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"tokens must be in [0, {vocab}), got {bad[0]}")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await engine.offload(engine.tokenizer.decode, body.tokens)}
 
     @app.get("/health")
     async def health():
@@ -202,6 +209,11 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _tokenize(engine: AsyncLLM, text: str, add_special_tokens: bool) -> list[int]:
+    engine.engine.processor.check_text_length(text)  # the same length bound as a prompt's
+    return engine.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 async def _until_disconnect(coro, request: Request):

@@ -30,6 +30,16 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
+    """OpenAI's error body, as a JSON response or an SSE event carries it (the one place
+    either is built)."""
+    # A message quoting the client's text could hold a lone surrogate, which no JSON
+    # response can encode: escape it rather than fail while reporting an error.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param,
+                                         code=status)).model_dump()
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 

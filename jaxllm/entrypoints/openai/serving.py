@@ -1,9 +1,19 @@
 """Completions and chat completions: OpenAI request bodies -> engine streams -> OpenAI bodies.
 
 Owns the response shapes (non-streaming JSON, and SSE chunks ending in `data: [DONE]`), the
-choice indices of `n` and of several prompts, usage counts and both logprobs formats. Never
-validates ranges itself (SamplingParams and the processor do; their ValueError is a 400),
-never touches HTTP (api_server.py does), and never runs the engine loop (AsyncLLM does).
+choice indices of `n` and of several prompts, usage counts, both logprobs formats, the cap on
+prompts per request, and which chat template renders a conversation: the server's own, or
+one the request brings (refused unless the server trusts them, and then rendered in a
+bounded sandbox process, template_sandbox.py). Validates only what is the server's own: a
+chat's max_tokens named as the client sent it (max_completion_tokens or max_tokens), and
+vLLM's server rule that the prompt plus max_tokens must fit the context; every other range
+is SamplingParams' and the processor's (their ValueError is a 400). Never touches HTTP
+(api_server.py does), never tokenizes or renders on the event loop (AsyncLLM's input thread
+does), and never runs the engine loop.
+
+Every request is admitted (tokenized, checked, its ids reserved) before a response starts,
+so bad input is a 400 even for a stream. After that a stream always ends with
+`data: [DONE]`, after an error event (errors.py) if its request failed or the engine died.
 
 Every request asks the engine for DELTA outputs when streaming and FINAL_ONLY otherwise, so
 the stream's chunks concatenate to exactly the non-streaming result.
@@ -13,16 +23,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from jaxllm.async_llm import AsyncLLM
-from jaxllm.engine.processor import PromptInput
+from jaxllm.async_llm import AsyncLLM, RequestStream
+from jaxllm.engine.processor import ProcessedRequest, PromptInput, chat_messages
+from jaxllm.entrypoints.openai.errors import raise_if_failed, sse_error
+from jaxllm.entrypoints.openai.logprobs_format import chat_logprobs, completion_logprobs
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.entrypoints.openai.template_sandbox import TemplateSandbox
+from jaxllm.outputs import RequestOutput
 from jaxllm.value_ranges import INT32_MAX, ParameterError, Range
+
+# vLLM's VLLM_MAX_COMPLETION_PROMPTS default: prompts in one /v1/completions request.
+DEFAULT_MAX_COMPLETION_PROMPTS = 1024
 
 
 def _sse(payload: dict) -> str:
@@ -34,56 +51,27 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-# The lowest logprob a response states (vLLM's floor): a processed logprobs_mode gives -inf to
-# masked tokens, which JSON cannot carry (the non-streaming response failed to encode).
-LOGPROB_FLOOR = -9999.0
-
-
-def _json_logprob(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
-
-
-def _completion_logprobs(c: CompletionOutput, k: int, text_offset: int) -> dict | None:
-    """OpenAI's legacy completions format: tokens, token_logprobs, top_logprobs, offsets."""
-    if c.logprobs is None:
-        return None
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    for token_id, entry in zip(c.token_ids, c.logprobs):
-        chosen = entry[token_id]
-        tokens.append(chosen.decoded_token or "")
-        token_logprobs.append(_json_logprob(chosen.logprob))
-        tops.append({(lp.decoded_token or ""): _json_logprob(lp.logprob) for lp in entry.values()
-                     if lp.rank is not None and lp.rank <= k} if k else None)
-        offsets.append(text_offset)
-        text_offset += len(chosen.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-def _chat_logprobs(c: CompletionOutput, k: int) -> dict | None:
-    """Chat's format: one {token, logprob, bytes, top_logprobs} per generated token."""
-    if c.logprobs is None:
-        return None
-
-    def item(lp):
-        text = lp.decoded_token or ""
-        return {"token": text, "logprob": _json_logprob(lp.logprob),
-                "bytes": list(text.encode())}
-
-    content = []
-    for token_id, entry in zip(c.token_ids, c.logprobs):
-        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
-                     key=lambda lp: lp.rank)
-        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for lp in top]})
-    return {"content": content}
-
-
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None):
+    def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None,
+                 *, trust_request_chat_template: bool = False,
+                 max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS):
+        """trust_request_chat_template: accept a `chat_template` in chat requests (vLLM's
+        --trust-request-chat-template); max_completion_prompts: the most prompts one
+        /v1/completions request may hold."""
         self.engine = engine
         self.model_names = model_names
         self.chat_template = chat_template
         self.max_model_len = engine.engine.config.max_model_len
+        self.max_completion_prompts = max_completion_prompts
+        processor = engine.engine.processor
+        # Request templates render in their own bounded process; nothing they build may
+        # exceed what a prompt can be.
+        self.template_sandbox = (TemplateSandbox(processor.max_prompt_chars)
+                                 if trust_request_chat_template else None)
+
+    def close(self) -> None:
+        if self.template_sandbox is not None:
+            self.template_sandbox.close()
 
     # ---- /v1/completions -----------------------------------------------------------------
 
@@ -95,11 +83,15 @@ class OpenAIServing:
             return [PromptInput(None, list(p))]
         if not p:
             raise ValueError("prompt must not be empty")
+        if len(p) > self.max_completion_prompts:
+            raise ValueError(f"prompt holds {len(p)} prompts; a request may hold at most "
+                             f"{self.max_completion_prompts} (--max-completion-prompts)")
         return [PromptInput(x, None) if isinstance(x, str) else PromptInput(None, list(x))
                 for x in p]
 
     def check_completion(self, req: CompletionRequest):
-        """-> (prompts, sampling params); ValueError for anything the engine cannot do."""
+        """-> (prompts, sampling params); ValueError for what can be told without
+        tokenizing (the rest is checked when the engine admits them)."""
         if req.echo:
             raise ValueError("echo is not supported")
         if req.suffix is not None:
@@ -108,32 +100,34 @@ class OpenAIServing:
             raise ValueError("logit_bias is not supported")
         if req.best_of is not None and req.best_of != req.n:
             raise ValueError(f"best_of must equal n ({req.n}), got {req.best_of}")
+        self.engine.engine.processor.check_priority(req.priority)
         params = req.sampling_params(req.max_tokens if req.max_tokens is not None else 16,
                                      req.logprobs)
-        prompts = self.completion_prompts(req)
-        for prompt in prompts:  # every prompt is checked before any is queued
-            processed = self.engine.engine.processor.process(prompt, params,
-                                                             priority=req.priority)
-            self.check_fits_context(len(processed.prompt_token_ids), params.max_tokens,
-                                    "max_tokens")
-        return prompts, params
+        return self.completion_prompts(req), params
 
     async def create_completion(self, req: CompletionRequest, model: str):
         prompts, params = self.check_completion(req)
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = [self.engine.generate(p, params, f"{rid}-{i}", req.priority)
-                   for i, p in enumerate(prompts)]
+        # Every prompt is tokenized and checked, its room in the context too, before any is
+        # queued (on the input thread).
+        streams = await self.engine.add_requests(
+            prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], req.priority,
+            check=functools.partial(self.check_fits_context, param="max_tokens"))
         k = req.logprobs or 0
         if req.stream:
-            return self._stream_completion(streams, rid, created, model, req, k)
-        finals = await asyncio.gather(*[_last(s) for s in streams])
+            return _sse_body(self._stream_completion(streams, rid, created, model, req, k))
+        try:
+            finals = await asyncio.gather(*[_last(s) for s in streams])
+        finally:
+            for s in streams:
+                s.close()
         choices, completion_tokens = [], 0
         for i, out in enumerate(finals):
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 choices.append({"index": i * params.n + c.index, "text": c.text,
-                                "logprobs": _completion_logprobs(c, k, 0),
+                                "logprobs": completion_logprobs(c, k, 0),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -144,13 +138,14 @@ class OpenAIServing:
         prompt_tokens, completion_tokens = 0, 0
         offsets: dict[int, int] = {}
         async for i, out in _merge(streams):
+            raise_if_failed(out)
             for c in out.outputs:
                 index = i * req.n + c.index
                 completion_tokens += len(c.token_ids)
                 if not c.text and c.finish_reason is None and c.logprobs is None:
                     continue  # nothing visible yet (held back, or a partial character)
                 chunk = {"index": index, "text": c.text,
-                         "logprobs": _completion_logprobs(c, k, offsets.get(index, 0)),
+                         "logprobs": completion_logprobs(c, k, offsets.get(index, 0)),
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 offsets[index] = offsets.get(index, 0) + len(c.text)
                 yield _sse({"id": rid, "object": "text_completion", "created": created,
@@ -161,11 +156,12 @@ class OpenAIServing:
             yield _sse({"id": rid, "object": "text_completion", "created": created,
                         "model": model, "choices": [],
                         "usage": _usage(prompt_tokens, completion_tokens)})
-        yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions --------------------------------------------------------------
 
-    def check_chat(self, req: ChatCompletionRequest):
+    def check_chat(self, req: ChatCompletionRequest) -> str | None:
+        """-> the request's own chat template (None: the server's); ValueError for what can
+        be told without rendering."""
         if req.logit_bias:
             raise ValueError("logit_bias is not supported")
         if req.tools:
@@ -174,31 +170,52 @@ class OpenAIServing:
             raise ValueError("response_format other than text is not supported")
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        processor = self.engine.engine.processor
-        prompt, = processor.render_chat(
-            [req.messages], req.chat_template or self.chat_template, req.add_generation_prompt,
-            req.continue_final_message, req.chat_template_kwargs)
-        # `is not None`, not `or`: max_completion_tokens=0 is refused (as vLLM does), never
-        # read as "not given".
-        if req.max_completion_tokens is not None:
-            param, max_tokens = "max_completion_tokens", req.max_completion_tokens
-        else:
-            param, max_tokens = "max_tokens", req.max_tokens
-        if max_tokens is not None:
-            Range(1, INT32_MAX).check(param, max_tokens)  # named as the client sent it
-        else:  # vLLM: the rest of the context
-            max_tokens = max(1, self.max_model_len - len(prompt.token_ids))
-            param = None
-        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs
-                                     else None)
-        processor.process(prompt, params, priority=req.priority)
-        if param is not None:
-            self.check_fits_context(len(prompt.token_ids), max_tokens, param)
-        return prompt, params
+        self.engine.engine.processor.check_priority(req.priority)
+        template = req.chat_template
+        if req.chat_template_kwargs and "chat_template" in req.chat_template_kwargs:
+            template = req.chat_template_kwargs["chat_template"]
+        if template is not None and self.template_sandbox is None:
+            raise ValueError("this request brings its own chat_template, which the server "
+                             "refuses: chat templates run as code, and request templates are "
+                             "accepted only with --trust-request-chat-template")
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"chat_template must be a string, got {type(template).__name__}")
+        return template
 
-    def check_fits_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
+    def chat_max_tokens_param(self, req: ChatCompletionRequest) -> str | None:
+        """The field that sets this chat's max_tokens, its range checked and named as the
+        client sent it: max_completion_tokens, else max_tokens; None when neither is given
+        (the rest of the context). `is not None`, never `or`: max_completion_tokens=0 is
+        refused (as vLLM does), not read as "not given"."""
+        for param in ("max_completion_tokens", "max_tokens"):
+            value = getattr(req, param)
+            if value is not None:
+                Range(1, INT32_MAX).check(param, value)
+                return param
+        return None
+
+    async def chat_prompt(self, req: ChatCompletionRequest, template: str | None
+                          ) -> PromptInput:
+        """The conversation rendered and tokenized, off the event loop."""
+        if template is None:
+            return await self.engine.render_chat(
+                req.messages, self.chat_template, req.add_generation_prompt,
+                req.continue_final_message, req.chat_template_kwargs)
+        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+                  if k != "chat_template"}
+        messages = await self.engine.offload(chat_messages, req.messages)
+        text = await self.template_sandbox.render(
+            template, messages,
+            special_tokens=self.engine.tokenizer.special_tokens_map,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs)
+        return await self.engine.offload(self.engine.engine.processor.chat_prompt, text)
+
+    def check_fits_context(self, request: ProcessedRequest, param: str) -> None:
         """vLLM's server refuses a request whose prompt plus max_tokens exceeds the context
-        (offline, LLM.generate stops at max_model_len instead)."""
+        (offline, LLM.generate stops at max_model_len instead). Runs as add_requests' check:
+        on the input thread, once the prompt is tokenized and before anything is queued."""
+        prompt_len, max_tokens = len(request.prompt_token_ids), request.params.max_tokens
         room = self.max_model_len - prompt_len
         if max_tokens > room:
             raise ParameterError(f"{param}={max_tokens} does not fit: the prompt has "
@@ -207,16 +224,30 @@ class OpenAIServing:
                                  param)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
-        prompt, params = self.check_chat(req)
+        template = self.check_chat(req)
+        param = self.chat_max_tokens_param(req)
+        prompt = await self.chat_prompt(req, template)
+        fits = None
+        if param is not None:
+            max_tokens = getattr(req, param)
+            fits = functools.partial(self.check_fits_context, param=param)
+        else:  # vLLM: the rest of the context
+            max_tokens = max(1, self.max_model_len - len(prompt.token_ids))
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs
+                                     else None)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = self.engine.generate(prompt, params, rid, req.priority)
+        stream, = await self.engine.add_requests([prompt], params, [rid], req.priority,
+                                                 check=fits)
         k = req.top_logprobs or 0
         if req.stream:
-            return self._stream_chat(stream, rid, created, model, req, k)
-        out = await _last(stream)
+            return _sse_body(self._stream_chat(stream, rid, created, model, req, k))
+        try:
+            out = await _last(stream)
+        finally:
+            stream.close()
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c, k), "finish_reason": c.finish_reason,
+                    "logprobs": chat_logprobs(c, k), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices,
@@ -228,34 +259,47 @@ class OpenAIServing:
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": model, "choices": choices, "usage": usage})
 
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None} for i in range(req.n)])
-        completion_tokens, prompt_tokens = 0, 0
         async with contextlib.aclosing(stream):  # a client that leaves aborts the request
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None} for i in range(req.n)])
+            completion_tokens, prompt_tokens = 0, 0
             async for out in stream:
+                raise_if_failed(out)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     if not c.text and c.finish_reason is None and c.logprobs is None:
                         continue  # nothing visible yet (held back, or a partial character)
                     yield chunk([{"index": c.index, "delta": {"content": c.text},
-                                  "logprobs": _chat_logprobs(c, k),
+                                  "logprobs": chat_logprobs(c, k),
                                   "finish_reason": c.finish_reason,
                                   "stop_reason": c.stop_reason}])
                 prompt_tokens = len(out.prompt_token_ids)
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], _usage(prompt_tokens, completion_tokens))
-        yield "data: [DONE]\n\n"
 
 
-async def _last(stream) -> RequestOutput:
+async def _sse_body(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's body: its chunks, then `data: [DONE]`, after an error event if it failed
+    once its headers were sent. A client that leaves closes it (and its requests) instead."""
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+    except Exception as error:
+        yield sse_error(error)
+    yield "data: [DONE]\n\n"
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
     out = None
     async for out in stream:
-        pass
+        raise_if_failed(out)
     return out
 
 
-async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several output streams as they produce, tagged with their index."""
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as they produce, tagged with their index; closing
+    it (or a failure of any) closes them all."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -282,3 +326,5 @@ async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     finally:
         for t in tasks:
             t.cancel()
+        for s in streams:
+            s.close()
