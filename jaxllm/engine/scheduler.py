@@ -40,21 +40,20 @@ async scheduling the next step is scheduled first, and its placeholder row is fe
 device from the previous step's sample. A request whose placeholders already reach its
 max_tokens or max_model_len is not scheduled again: its last token is in flight.
 
-One request's failure is its own: if scheduling or updating a request raises (its token
-count, its blocks, its new tokens), that request alone finishes with an error, its blocks
-are freed, and the step goes on without it; its final output (finish_reason "error") comes
-out of `take_failed_outputs()`, which the engine core drains every step.
+One request's failure is its own (engine/request_failures.py): if scheduling or updating it
+raises, it alone finishes with an error and the step goes on without it.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.metrics import SchedulerStats
 from jaxllm.engine.request import Request, RequestStatus, check_stop
+from jaxllm.engine.request_failures import FAILED, RequestFailures
 from jaxllm.engine.request_queue import create_request_queue
+from jaxllm.engine.scheduler_invariants import check_invariants
 from jaxllm.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -62,9 +61,6 @@ from jaxllm.messages import (
     NewRequestData,
     SchedulerOutput,
 )
-
-logger = logging.getLogger(__name__)
-_FAILED = object()  # what `_guarded` returns when the request's own call raised
 
 
 class Scheduler:
@@ -98,8 +94,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Preempted outside schedule() (preempt_all): the next SchedulerOutput tells the runner.
         self._preempted_req_ids: set[str] = set()
-        # Final outputs of requests that failed on their own (`_isolate`), not yet reported.
-        self._failed_outputs: list[EngineCoreOutput] = []
+        # Requests whose own scheduling or update raised, failed alone (request_failures.py).
+        self.failures = RequestFailures(self.fail_requests)
 
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -193,13 +189,13 @@ class Scheduler:
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             # A request that fails here has left `running`: the next one is at req_index.
-            num_new_tokens = self._guarded(request, self._num_new_tokens, request, token_budget)
-            if num_new_tokens is _FAILED:
+            num_new_tokens = self.failures.guard(request, self._num_new_tokens, request, token_budget)
+            if num_new_tokens is FAILED:
                 continue
             if num_new_tokens == 0:
                 req_index += 1
                 continue
-            block_ids = self._guarded(request, self.kv_cache_manager.allocate_slots, request,
+            block_ids = self.failures.guard(request, self.kv_cache_manager.allocate_slots, request,
                                       num_new_tokens)
             while block_ids is None:  # preempt until its blocks fit
                 victim = self.waiting.preemption_victim(self.running)
@@ -215,9 +211,9 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is request:
                     break
-                block_ids = self._guarded(request, self.kv_cache_manager.allocate_slots,
+                block_ids = self.failures.guard(request, self.kv_cache_manager.allocate_slots,
                                           request, num_new_tokens)
-            if block_ids is None or block_ids is _FAILED:
+            if block_ids is None or block_ids is FAILED:
                 # It was the victim: it preempted itself. vLLM stops here; the requests
                 # behind it are more important (with "fcfs" there are none), so go on.
                 continue
@@ -232,8 +228,8 @@ class Scheduler:
         while (not preempted and self.waiting and token_budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek_request()
-            planned = self._guarded(request, self._plan_waiting, request, token_budget)
-            if planned is _FAILED:
+            planned = self.failures.guard(request, self._plan_waiting, request, token_budget)
+            if planned is FAILED:
                 continue  # it has left `waiting`
             if planned is None:
                 break
@@ -270,7 +266,7 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
         self.finished_req_ids = set()
-        self._check_invariants(output)
+        check_invariants(self, output)
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -287,9 +283,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:  # finished from outside after it was scheduled
                 continue
-            out = self._guarded(request, self._update_request, request, index,
+            out = self.failures.guard(request, self._update_request, request, index,
                                 model_runner_output)
-            if out is _FAILED:
+            if out is FAILED:
                 continue
             if request.is_finished():
                 stopped.add(request)
@@ -336,8 +332,7 @@ class Scheduler:
     def take_failed_outputs(self) -> list[EngineCoreOutput]:
         """The final outputs (finish_reason "error") of requests that failed on their own since
         the last call."""
-        failed, self._failed_outputs = self._failed_outputs, []
-        return failed
+        return self.failures.take()
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -352,23 +347,6 @@ class Scheduler:
         )
 
     # -- helpers ------------------------------------------------------------------------
-    def _guarded(self, request: Request, call, *args):
-        """call(*args), a step of `request`'s own scheduling or update. If it raises, the
-        request alone fails (`_isolate`) and this returns _FAILED."""
-        try:
-            return call(*args)
-        except Exception as error:
-            self._isolate(request, error)
-            return _FAILED
-
-    def _isolate(self, request: Request, error: Exception) -> None:
-        """Finish a request whose own step raised: FINISHED_ERROR, blocks freed (and uncached:
-        their K/V may never have been written), its final output queued for the engine."""
-        logger.error("request %r failed in the scheduler (%s: %s); it finishes with an "
-                     "error and the step goes on without it", request.request_id,
-                     type(error).__name__, error, exc_info=error)
-        self._failed_outputs += self.fail_requests([request.request_id])
-
     def _plan_waiting(self, request: Request, token_budget: int) -> tuple[int, int] | None:
         """Take a waiting request's cached prefix and the blocks for what it computes next;
         -> (tokens found cached, tokens to schedule), or None when its blocks do not fit."""
@@ -450,21 +428,3 @@ class Scheduler:
                                           RequestStatus.FINISHED_LENGTH_CAPPED))
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-
-    def _check_invariants(self, output: SchedulerOutput) -> None:
-        scheduled = output.num_scheduled_tokens
-        assert output.total_num_scheduled_tokens == sum(scheduled.values())
-        assert output.total_num_scheduled_tokens <= self.max_num_batched_tokens
-        assert len(scheduled) <= len(self.running) <= self.max_num_seqs
-        block_size = self.kv_cache_manager.block_size
-        for new in output.scheduled_new_reqs:  # a cache hit never covers the last token
-            assert new.num_computed_tokens < len(new.prompt_token_ids) + len(
-                new.output_token_ids), new.req_id
-        assert len(output.blocks_to_copy) <= len(output.scheduled_new_reqs)
-        for req_id, num_tokens in scheduled.items():
-            request = self.requests[req_id]
-            assert num_tokens > 0 and request.status == RequestStatus.RUNNING, request
-            assert request.num_computed_tokens <= min(request.num_tokens_with_placeholders,
-                                                      self.max_model_len), request
-            num_blocks = len(self.kv_cache_manager.req_to_blocks[req_id])
-            assert num_blocks * block_size >= request.num_computed_tokens, (request, num_blocks)
