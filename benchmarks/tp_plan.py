@@ -27,7 +27,6 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
 
 from jaxllm.kernels import gpu_compile as gc
 from jaxllm.kernels import hlo_text, tuning

@@ -19,7 +19,6 @@ import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs jax-cuda12-plugin (gpu-compile extra)")
 
-import jax.numpy as jnp  # noqa: E402
 
 from jaxllm.kernels import gpu_compile as gc  # noqa: E402
 from jaxllm.kernels import hlo_text, tuning  # noqa: E402
