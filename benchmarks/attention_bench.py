@@ -48,6 +48,8 @@ import numpy as np  # noqa: E402
 
 from jaxllm.kernels import cpu_attention, reference, xla_attention  # noqa: E402
 
+from machine import machine_header  # noqa: E402  (benchmarks/machine.py)
+
 N, K, H, P, LAYERS = 9, 3, 64, 16, 30
 W_FULL = 128
 RUNNER_WIDTHS = (4, 16, 64, 128)
@@ -135,6 +137,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--ref-repeats", type=int, default=5, help="0: skip the reference")
     args = ap.parse_args()
+    print(machine_header(), flush=True)
     if not cpu_attention.availability():
         raise SystemExit(f"backend cpu unavailable: {cpu_attention.availability().reason}")
 

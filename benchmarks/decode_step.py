@@ -14,6 +14,8 @@ import time
 
 from jaxllm import LLM, SamplingParams
 
+from machine import machine_header  # benchmarks/machine.py
+
 
 def decode_ms(llm, batch, steps, prompt_len=16):
     engine = llm.llm_engine
@@ -39,6 +41,7 @@ def main():
     p.add_argument("--model", default=None)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
+    print(machine_header(), flush=True)
     llm = LLM(model=args.model, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=256)
     engine = llm.llm_engine
     print(f"warm-up: {engine.warmup_seconds:.1f} s, {engine.runner.num_compiles} compiles")

@@ -31,6 +31,8 @@ from jaxllm.kernels.gpu_compile import available_targets, target_info
 from jaxllm.kernels import reference
 from jaxllm.kernels import tuning
 
+from machine import machine_header  # benchmarks/machine.py
+
 # HBM bandwidth, bytes/s, of every packaged GPU target (jaxllm/kernels/targets/*.txtpb).
 HBM_PEAK = {t: target_info(t).memory_bandwidth for t in available_targets()}
 EFFICIENCY = 0.70  # the fraction of peak a well-tuned memory-bound kernel reaches
@@ -156,6 +158,7 @@ def main():
     parser.add_argument("--only", default="", help="run cases whose name contains this")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    print(machine_header(), flush=True)
     cases = [c for c in CASES if args.only in c.name]
     on_gpu = jax.default_backend() == "gpu"
     target = tuning.detect_target() if on_gpu else "h100"

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from machine import machine_header  # benchmarks/machine.py
+
 _CHILD = r"""
 import json, sys, time
 import jax, jax.numpy as jnp
@@ -69,6 +71,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
+    print(machine_header(), flush=True)
     from jaxllm.models.resolve import embedded_default_gguf
 
     gguf = embedded_default_gguf()

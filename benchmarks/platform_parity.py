@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from machine import machine_header  # benchmarks/machine.py
+
 SENTENCES = [
     "The river runs past the old mill and under the stone bridge before it reaches the sea.",
     "In the morning the market fills with farmers selling bread, cheese and fresh vegetables.",
@@ -123,6 +125,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
+    print(machine_header(), flush=True)
 
     sides = {"test": run_side(args, args.platform, args.backend),
              "reference": run_side(args, args.reference_platform, args.reference_backend)}

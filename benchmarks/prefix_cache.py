@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from machine import machine_header  # benchmarks/machine.py
+
 QUERIES, HITS = "jaxllm:prefix_cache_queries", "jaxllm:prefix_cache_hits"
 
 
@@ -108,6 +110,7 @@ def main():
     p.add_argument("--workloads", nargs="+", default=["shared", "unique"],
                    choices=["shared", "unique"])
     args = p.parse_args()
+    print(machine_header(), flush=True)
 
     from jaxllm import LLM, SamplingParams
 

@@ -46,6 +46,8 @@ import numpy as np
 
 from jaxllm import LLM, SamplingParams, llm_engine
 
+from machine import machine_header  # benchmarks/machine.py
+
 
 def median_ms(fn, repeats=7, warmup=2):
     for _ in range(warmup):
@@ -334,6 +336,7 @@ def main():
     p.add_argument("--bytes", action="store_true",
                    help="only the host-to-device bytes per step at S=256, max_model_len=32768")
     args = p.parse_args()
+    print(machine_header(), flush=True)
     if args.bytes:
         return bytes_per_step(args.model, args.dtype, args.steps)
 

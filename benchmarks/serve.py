@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from throughput import make_workload  # noqa: E402
+from machine import machine_header  # noqa: E402  (benchmarks/machine.py)
 
 
 def free_port() -> int:
@@ -104,6 +105,7 @@ def main():
                    help="concurrency 1 runs this many requests (one at a time is slow)")
     p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args()
+    print(machine_header(), flush=True)
 
     from jaxllm.models.resolve import resolve_model
     from jaxllm.tokenizer import get_tokenizer

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 
+from machine import machine_header  # benchmarks/machine.py
+
 _JAXLLM_CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -100,6 +102,7 @@ def main():
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--peers", nargs="+", default=["jaxllm", "hf"], choices=["jaxllm", "hf"])
     args = p.parse_args()
+    print(machine_header(), flush=True)
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from throughput import make_workload

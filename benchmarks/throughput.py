@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from machine import machine_header  # benchmarks/machine.py
+
 PEERS = ("jaxllm-auto", "jaxllm-f32", "hf-f32", "hf-bf16", "llama.cpp")
 
 
@@ -165,6 +167,7 @@ def main():
     p.add_argument("--llama-cpp-gguf", default=None,
                    help="GGUF for the llama.cpp peer (default: the model's own GGUF)")
     args = p.parse_args()
+    print(machine_header(), flush=True)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
     from jaxllm.models.resolve import resolve_model

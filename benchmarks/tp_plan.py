@@ -35,6 +35,8 @@ from jaxllm.models.config import ModelConfig
 from jaxllm.models.sharding import make_mesh
 from jaxllm.runner.abstract_step import lower_abstract_step
 
+from machine import machine_header  # benchmarks/machine.py
+
 MODELS = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8),
@@ -117,6 +119,7 @@ def main():
     p.add_argument("--num-blocks", type=int, default=4099, help="KV blocks compiled in")
     p.add_argument("--max-model-len", type=int, default=8192)
     args = p.parse_args()
+    print(machine_header(), flush=True)
     tuning.detect_target = lambda: args.target  # the tiles that GPU would pick
     for name in args.models:
         for bucket in args.buckets:
