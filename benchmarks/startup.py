@@ -119,7 +119,7 @@ def main():
           f"{sum(outs)} tokens; {os.cpu_count()} cores")
     hf_paths = {}
     if "hf" in args.peers:
-        from throughput import dequantized_hf_dir
+        from hf_peer import dequantized_hf_dir
         hf_paths = {"gguf": resolved.path,
                     "dequantized": dequantized_hf_dir(resolved.path, tempfile.mkdtemp())}
     cold, warm = [], []
