@@ -17,15 +17,15 @@ Peers:
              dequantized weights are the ones jaxllm runs), all sequences in one batch,
              when llama-cpp-python is installed (it builds from source; kept out of CI)
   vllm       vLLM's offline LLM (benchmarks/vllm_peer.py) on the same weights, the GGUF
-             dequantized: float32 and bfloat16 with every core computing ("best" layout),
-             and bfloat16 in vLLM's default layout (a core reserved for its front end); when
+             dequantized: float32 and bfloat16, each with every core computing ("best"
+             layout) and in vLLM's default layout (a core kept for its scheduler); when
              vllm is importable here or --vllm-python names a python that has it (vLLM pins
              its own torch, so it usually lives in a venv of its own; kept out of CI)
 
     python benchmarks/throughput.py                      # the issue's workload, all peers
     python benchmarks/throughput.py --peers jaxllm-auto hf-bf16 --repeats 3
     python benchmarks/throughput.py --peers jaxllm-auto jaxllm-f32 vllm-f32 vllm-bf16 \
-        vllm-bf16-default --vllm-python ~/vllm-venv/bin/python
+        vllm-f32-default vllm-bf16-default --vllm-python ~/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -171,12 +171,12 @@ def print_summary(runs: dict, n_out: int) -> None:
               f"{r['peak_rss_mib']:.0f}")
     print("peak RSS: VmHWM of the system's own process, load included; vLLM: the sum over its "
           "engine processes (its line above lists them), its front end not counted\n")
-    vllm_best = max((k for k in ("vllm-f32", "vllm-bf16") if k in runs), key=tps.get,
-                    default=None)
+    vllm_best = max((k for k in VLLM_PEERS if k in runs), key=tps.get, default=None)
     if vllm_best:
-        print(f"vLLM best: {vllm_best} (the faster of vllm-f32 and vllm-bf16)")
+        print(f"vLLM best: {vllm_best} (the fastest vLLM configuration that ran)")
     pairs = [("jaxllm-auto", vllm_best), ("jaxllm-auto", "vllm-bf16-default"),
-             ("jaxllm-f32", "vllm-f32"), ("jaxllm-auto", "vllm-bf16"),
+             ("jaxllm-f32", "vllm-f32"), ("jaxllm-f32", "vllm-f32-default"),
+             ("jaxllm-auto", "vllm-bf16"),
              ("jaxllm-auto", "hf-bf16"), ("jaxllm-auto", "llama.cpp"), ("jaxllm-f32", "hf-f32"),
              ("jaxllm-auto", "hf-f32"), ("jaxllm-f32", "llama.cpp")]
     for ours, peer in dict.fromkeys(pairs):
@@ -253,6 +253,8 @@ def main():
             runs[peer] = run_isolated(peer, work)
         if "skipped" in runs[peer]:
             print(f"  skipped: {runs.pop(peer)['skipped']}")
+        else:
+            print(f"  {peer}: runs {', '.join(f'{t:.2f}' for t in runs[peer]['times'])} s")
     print_summary(runs, n_out)
 
 

@@ -8,17 +8,19 @@ imported by jaxllm or by tests.
 
 Layouts (vLLM's CPU backend reads them when its engine starts):
   best      every core computes: VLLM_CPU_OMP_THREADS_BIND=<all usable cores>,
-            VLLM_CPU_NUM_OF_RESERVED_CPU=0 (the fastest on small machines)
-  default   vLLM's own choice: neither variable set, so it reserves a core for the front end
-Both set VLLM_CPU_KVCACHE_SPACE=2 (GiB of KV cache).
+            VLLM_CPU_NUM_OF_RESERVED_CPU=0 (vLLM warns that it wants one core reserved)
+  default   vLLM's own choice: neither variable set, so it keeps a core for its scheduler
+            process, which does not sleep when idle (vLLM 0.32), and computes on the rest
+Both set VLLM_CPU_KVCACHE_SPACE=2 (GiB of KV cache). Which layout is faster depends on the
+machine and the load beside it, so both are measured, in both dtypes.
 
 Timing: a 2-request warm-up after the load, then the whole workload `repeats` times, each
 one LLM.generate call timed around itself (generation only; the load is not timed).
 Peak RSS: vLLM v1 runs its engine in child processes (on the CPU backend of 0.32: EngineCore,
 and its Worker, which holds the weights and the KV cache). After the timed runs and before
 shutdown, the script reads VmHWM (the kernel's peak RSS of a process) from /proc/<pid>/status
-of every descendant; the engine's figure is their sum (pages shared between them, such as
-libtorch's code, count once per process), listed per process in "info". The front end (the
+of every descendant; the engine's figure is their sum (pages they share, such as libtorch's
+code, are counted in each), listed per process in "info". The front end (the
 process that called LLM(), holding the tokenizer) is reported apart and not counted.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +37,7 @@ import time
 
 # peer name -> (vLLM dtype, layout)
 VLLM_PEERS = {"vllm-f32": ("float32", "best"), "vllm-bf16": ("bfloat16", "best"),
+              "vllm-f32-default": ("float32", "default"),
               "vllm-bf16-default": ("bfloat16", "default")}
 
 
@@ -91,7 +95,9 @@ def run_vllm(python: str, peer: str, model_dir: str, prompts: list[list[int]],
         with open(result_path) as f:
             result = json.load(f)
     bind = {k: env[k] for k in env if k.startswith("VLLM_CPU_") or k == "LD_PRELOAD"}
-    result["info"] += f", {layout} layout {bind}"
+    # vLLM logs (to stdout) the cores its OpenMP threads are bound to.
+    cores = re.findall(r"core ids=(\[[^\]]*\])", run.stdout + run.stderr)
+    result["info"] += f"; {layout} layout {bind}, compute cores {', '.join(cores) or '?'}"
     return result
 
 
