@@ -1,4 +1,4 @@
-"""The real SmolLM2 in bfloat16 (what dtype="auto" runs on a CPU with bf16 matrix units)
+"""The real SmolLM2 in bfloat16 (what dtype="auto" runs on a CPU where bf16 measures faster)
 against HF transformers in bfloat16 and float32, on one 84-token prompt, every position.
 
 Tolerances, from what bf16 itself costs: HF's own bf16 model differs from HF f32 by a mean
