@@ -3,6 +3,7 @@
     $JAXLLM_CACHE_DIR, else $XDG_CACHE_HOME/jaxllm, else ~/.cache/jaxllm
       xla/          JAX's persistent compilation cache (compiled steps)
       models/<key>/ GGUF checkpoints converted once to safetensors + tokenizer files
+      auto_dtype.json  what dtype="auto" measured on this CPU (models/auto_dtype.py)
 
 Owns the paths and turning JAX's compilation cache on. Never decides what is cached or how
 it is keyed (callers do), and never deletes anything.

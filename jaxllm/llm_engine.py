@@ -13,6 +13,7 @@ its `n` samples end, their blocks are freed, and the other requests go on.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,7 +34,9 @@ from jaxllm.engine.stat_logger import LoggingStatLogger
 from jaxllm.kernels.backends import select_backend
 from jaxllm.metrics import EngineMetrics
 from jaxllm.models.dtype import resolve_dtype
-from jaxllm.models.checkpoint import load_checkpoint
+from jaxllm.models.auto_dtype import (AutoDtypeVerdict, GemmShapes, auto_dtype_verdict,
+                                      log_once, verdict_cache_path)
+from jaxllm.models.checkpoint import load_checkpoint, read_checkpoint_config
 from jaxllm.models.resolve import DEFAULT_MODEL, resolve_model
 from jaxllm.models.sharding import Placement, make_mesh
 from jaxllm.outputs import RequestOutput
@@ -91,8 +94,8 @@ class LLMEngine:
         cache_dir = compilation_cache_dir(config.compilation_cache_dir)
         enable_compilation_cache(cache_dir)
         accel = _on_accelerator()
-        dtype = resolve_dtype(config.dtype, jax.default_backend())
         resolved = resolve_model(config.model or DEFAULT_MODEL, gguf_file=config.gguf_file)
+        dtype, reader = self._resolve_dtype(config, resolved, use_cache=cache_dir is not None)
         # Chosen before loading: a backend that cannot run here fails at once.
         backend = select_backend(config.attention_backend)
         t0 = time.perf_counter()
@@ -100,7 +103,7 @@ class LLMEngine:
                                         devices=replica_devices(config, data_parallel_rank)))
         model, mcfg, gen, self.tokenizer = load_checkpoint(
             resolved, dtype, placement=placement,
-            tokenizer=config.tokenizer, use_cache=cache_dir is not None)
+            tokenizer=config.tokenizer, use_cache=cache_dir is not None, reader=reader)
         logger.info("loaded %s from %s in %.1f s", resolved.name, resolved.path,
                     time.perf_counter() - t0)
         replication = placement.layout(mcfg).describe_replication()
@@ -176,6 +179,27 @@ class LLMEngine:
                 key, StepMemory.of(fn.memory_analysis(), runner.persistent_bytes()))
         release_free_heap()
         self.process_group.follow(runner)  # node_rank > 0: until the leader shuts down
+
+    def _resolve_dtype(self, config: EngineConfig, resolved, use_cache: bool):
+        """-> (jnp dtype, the GGUF parse made on the way or None). "auto" on a CPU is timed
+        at the model's decode shapes (models/auto_dtype.py); the processes of a multi-process
+        engine all run bfloat16 only if every one of them measured it faster."""
+        reader = None
+
+        def measure() -> AutoDtypeVerdict:
+            nonlocal reader
+            mcfg, reader = read_checkpoint_config(resolved, use_cache)
+            verdict = auto_dtype_verdict(GemmShapes.of(mcfg),
+                                         verdict_cache_path() if use_cache else None)
+            if not self.process_group.agree_min("auto_dtype_bf16",
+                                                int(verdict.dtype == "bfloat16")):
+                verdict = dataclasses.replace(
+                    verdict, dtype="float32",
+                    source=verdict.source + "; another process measured float32 faster")
+            log_once(verdict)
+            return verdict
+
+        return resolve_dtype(config.dtype, jax.default_backend(), measure), reader
 
     def _profile(self, runner: ModelRunner, memory: DeviceMemory | None,
                  dtype) -> KVCacheSizing | None:

@@ -150,8 +150,9 @@ def iter_hf_dir_tensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
         yield from iter_tensors(path)
 
 
-def load_hf_dir(model_dir: str, dtype, placement=None):
-    """-> (model, ModelConfig, generation_config dict)."""
+def read_model_config(model_dir: str) -> ModelConfig:
+    """The directory's config.json as a ModelConfig, without touching weights; errors name
+    the file."""
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
     cfg_path = os.path.join(model_dir, "config.json")
@@ -163,6 +164,12 @@ def load_hf_dir(model_dir: str, dtype, placement=None):
         get_model_class(cfg)  # an unsupported architecture fails here, naming the file
     except ValueError as e:
         raise ValueError(f"{cfg_path}: {e}") from e
+    return cfg
+
+
+def load_hf_dir(model_dir: str, dtype, placement=None):
+    """-> (model, ModelConfig, generation_config dict)."""
+    cfg = read_model_config(model_dir)
     gen_path = os.path.join(model_dir, "generation_config.json")
     gen = read_json(gen_path) if os.path.exists(gen_path) else {}
     model = load_params(cfg, iter_hf_dir_tensors(model_dir), dtype, placement)

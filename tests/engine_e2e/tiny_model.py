@@ -59,7 +59,7 @@ def build_tiny_llama_dir(out_dir: str, tokenizer=None, seed: int = 0, **config_o
 # ---- small helpers shared by the test modules ------------------------------------------
 
 # float32: these tests compare tokens across batch compositions and against HF float32, which
-# only an exact dtype can promise (dtype="auto" is bfloat16 on CPUs with bf16 matrix units;
+# only an exact dtype can promise (dtype="auto" is bfloat16 on CPUs where it measures faster;
 # the bf16 path has its own tests).
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, enforce_eager=True,
              use_tqdm_on_load=False, dtype="float32")

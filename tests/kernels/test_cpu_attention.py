@@ -204,8 +204,9 @@ def tiny_dir(tmp_path_factory):
     return build_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_cpu")), **TINY)
 
 
-# bfloat16: dtype="auto" on CPUs with bf16 units, and the uint16 cache path (float32 is the
-# same engine code with an f32 cache; the kernel's f32 numerics are tested above).
+# bfloat16: what dtype="auto" picks where bf16 measures faster, and the uint16 cache path
+# (float32 is the same engine code with an f32 cache; the kernel's f32 numerics are tested
+# above).
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_greedy_run_matches_xla(tiny_dir, dtype):
     prompts = [[100 + i for i in range(n)] for n in (3, 17, 40)]  # cross 16-token blocks

@@ -1,5 +1,7 @@
 """The converted-GGUF cache: the second load of the embedded SmolLM2 reads the converted copy
-and gives exactly the first load's parameters and tokenizer; a partial copy is never used."""
+and gives exactly the first load's parameters and tokenizer; a partial copy is never used;
+the config read before loading is the loaded one, from the GGUF's parse (reused) or the
+converted copy."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxllm.models import gguf_cache
-from jaxllm.models.checkpoint import load_checkpoint
+from jaxllm.models.checkpoint import load_checkpoint, read_checkpoint_config
 from jaxllm.models.resolve import resolve_model
 
 pytestmark = pytest.mark.slow
@@ -27,9 +29,15 @@ def cache(tmp_path, monkeypatch):
 def test_second_load_reads_the_converted_copy_and_changes_nothing(cache, dtype):
     resolved = resolve_model(None)
     assert resolved.kind == "gguf"
-    first_model, first_cfg, first_gen, first_tok = load_checkpoint(resolved, dtype)
+    # The config first (dtype="auto" is timed at its shapes): the GGUF's parse, reused.
+    early_cfg, reader = read_checkpoint_config(resolved)
+    assert reader is not None
+    first_model, first_cfg, first_gen, first_tok = load_checkpoint(resolved, dtype,
+                                                                   reader=reader)
+    assert early_cfg == first_cfg
     converted = gguf_cache.find_converted(resolved.path, dtype)
     assert converted is not None and converted.startswith(str(cache))
+    assert read_checkpoint_config(resolved) == (first_cfg, None)  # from the converted copy
     second_model, second_cfg, second_gen, second_tok = load_checkpoint(resolved, dtype)
     assert (second_cfg, second_gen) == (first_cfg, first_gen)
     a, b = jax.tree.leaves(first_model), jax.tree.leaves(second_model)
