@@ -10,7 +10,7 @@ first difference). Every system runs in its own fresh process (vLLM in its own p
 that its peak RSS (the kernel's VmHWM, load included) is its own.
 
 Peers:
-  jaxllm     LLM.generate, dtype "auto" (bf16 on a CPU with bf16 matrix units) and float32
+  jaxllm     LLM.generate, dtype "auto" (bf16 where it measures faster) and float32
   hf         transformers `generate`, static batches, left padding: float32 batch 8 and
              bfloat16 batch 64 (its best configuration on this CPU)
   llama.cpp  the model's GGUF (--llama-cpp-gguf, default the embedded Q4_1 file, whose
