@@ -1,12 +1,14 @@
-"""Builds the optional C++ library of attention backend "cpu" (jaxllm/kernels/csrc).
+"""Builds the optional C++ libraries of jaxllm/kernels/csrc: the "cpu" attention backend and
+the "cpu" linear method (the GEMM on weights packed at load).
 
-Everything else about the package is in pyproject.toml. The extension is optional: without a
-C++ compiler or jaxlib's FFI headers jaxllm still installs, the "cpu" backend reports itself
-unavailable (jaxllm/kernels/cpu_attention.py), and `LLM()` warns once that it uses "xla"
-instead, with the reason and the cost (jaxllm/kernels/backends.py).
+Everything else about the package is in pyproject.toml. The extensions are optional: without
+a C++ compiler or jaxlib's FFI headers jaxllm still installs, the "cpu" backend and method
+report themselves unavailable (jaxllm/kernels/cpu_attention.py, cpu_gemm.py), and `LLM()`
+warns once that it uses "xla" instead, with the reason and the cost
+(jaxllm/kernels/backends.py, linear_methods.py).
 
-The library is a plain shared object loaded with ctypes (no Python module init), compiled for
-the building machine's CPU (-march=native): build on the machine that runs it.
+Each library is a plain shared object loaded with ctypes (no Python module init), compiled
+for the building machine's CPU (-march=native): build on the machine that runs it.
 """
 
 from __future__ import annotations
@@ -35,20 +37,22 @@ def jaxlib_include_dir() -> str | None:
 def extensions() -> list[Extension]:
     include = jaxlib_include_dir()
     if include is None:
-        print("jaxllm: jaxlib's XLA FFI headers not found; skipping the 'cpu' attention library")
+        print("jaxllm: jaxlib's XLA FFI headers not found; skipping the 'cpu' kernel libraries")
         return []
+    # -isystem: the FFI headers' own warnings are not ours. GCC 12 reports AVX-512 intrinsics
+    # as "maybe uninitialized" (their undefined pass-through operand).
+    flags = ["-std=c++17", "-O3", "-march=native", "-fvisibility=hidden", "-isystem", include,
+             "-Wno-maybe-uninitialized"]
     return [Extension(
-        "jaxllm.kernels._cpu_attention",
-        sources=[os.path.join(CSRC, "cpu_attention.cc")],
-        depends=[os.path.join(CSRC, name) for name in ("simd.h", "thread_pool.h")],
+        f"jaxllm.kernels._{name}",
+        sources=[os.path.join(CSRC, f"{name}.cc")],
+        depends=[os.path.join(CSRC, header) for header in headers],
         language="c++",
-        # -isystem: the FFI headers' own warnings are not ours. GCC 12 reports AVX-512
-        # intrinsics as "maybe uninitialized" (their undefined pass-through operand).
-        extra_compile_args=["-std=c++17", "-O3", "-march=native", "-fvisibility=hidden",
-                            "-isystem", include, "-Wno-maybe-uninitialized"],
+        extra_compile_args=flags,
         extra_link_args=["-pthread"],
         optional=True,
-    )]
+    ) for name, headers in (("cpu_attention", ("simd.h", "thread_pool.h")),
+                            ("cpu_gemm", ("thread_pool.h",)))]
 
 
 setup(ext_modules=extensions())

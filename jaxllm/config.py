@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.cache import AUTO
-from jaxllm.kernels import ATTENTION_BACKENDS
+from jaxllm.kernels import ATTENTION_BACKENDS, LINEAR_BACKENDS
 from jaxllm.sampling_params import LOGPROBS_MODES
 from jaxllm.scheduling_policy import SCHEDULING_POLICIES
 
@@ -41,6 +41,9 @@ class EngineConfig:
     enforce_eager: bool = False  # compile buckets lazily instead of all at start-up
     # None: "pallas" on GPU; on CPU "cpu" when its C++ library is built and TP is 1, else "xla".
     attention_backend: str | None = None
+    # None: "cpu" (the C++ GEMM on weights packed at load, kernels/linear_methods.py) on a
+    # CPU with AVX-512 (AVX512-BF16 for bf16) when its library is built and TP is 1, else "xla".
+    linear_backend: str | None = None
     # JAX's persistent compilation cache (and converted GGUF copies), by default under the
     # user's cache directory (jaxllm/cache.py; JAXLLM_CACHE_DIR moves it); None turns both off.
     compilation_cache_dir: str | None = AUTO
@@ -91,6 +94,9 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got "
                                  f"{type(getattr(self, name)).__name__}")
+        if self.linear_backend is not None and self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS} (or None for the "
+                             f"platform's default), got {self.linear_backend!r}")
         if self.attention_backend is not None and \
                 self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (or None "

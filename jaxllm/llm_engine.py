@@ -32,6 +32,7 @@ from jaxllm.engine.request_ids import RequestIds
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.stat_logger import LoggingStatLogger
 from jaxllm.kernels.backends import select_backend
+from jaxllm.kernels.linear_methods import select_linear_method
 from jaxllm.metrics import EngineMetrics
 from jaxllm.models.dtype import resolve_dtype
 from jaxllm.models.auto_dtype import (AutoDtypeVerdict, GemmShapes, auto_dtype_verdict,
@@ -98,12 +99,15 @@ class LLMEngine:
         dtype, reader = self._resolve_dtype(config, resolved, use_cache=cache_dir is not None)
         # Chosen before loading: a backend that cannot run here fails at once.
         backend = select_backend(config.attention_backend)
+        linear_method = select_linear_method(config.linear_backend, dtype,
+                                             tensor_parallel_size=config.tensor_parallel_size)
         t0 = time.perf_counter()
         placement = Placement(make_mesh(config.tensor_parallel_size,
                                         devices=replica_devices(config, data_parallel_rank)))
         model, mcfg, gen, self.tokenizer = load_checkpoint(
             resolved, dtype, placement=placement,
             tokenizer=config.tokenizer, use_cache=cache_dir is not None, reader=reader)
+        model.process_weights_after_loading(linear_method)
         logger.info("loaded %s from %s in %.1f s", resolved.name, resolved.path,
                     time.perf_counter() - t0)
         replication = placement.layout(mcfg).describe_replication()
@@ -141,7 +145,8 @@ class LLMEngine:
                              eos_token_ids=tuple(self.processor.eos_token_ids),
                              mesh=placement.mesh,
                              logprobs_mode=config.logprobs_mode,
-                             max_logprobs=config.max_logprobs)
+                             max_logprobs=config.max_logprobs,
+                             linear_method=linear_method)
         del model
         # The figures behind num_blocks on an accelerator (None where the config or the CPU
         # default decides). Each process reads its own devices.
@@ -190,7 +195,8 @@ class LLMEngine:
             nonlocal reader
             mcfg, reader = read_checkpoint_config(resolved, use_cache)
             verdict = auto_dtype_verdict(GemmShapes.of(mcfg),
-                                         verdict_cache_path() if use_cache else None)
+                                         verdict_cache_path() if use_cache else None,
+                                         config.linear_backend, config.tensor_parallel_size)
             if not self.process_group.agree_min("auto_dtype_bf16",
                                                 int(verdict.dtype == "bfloat16")):
                 verdict = dataclasses.replace(

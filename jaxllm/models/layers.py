@@ -85,7 +85,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x_TD, ops):
         """ops: models/parallel.py ParallelOps (down_proj's input is split over devices)."""
-        h_TF = jax.nn.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD)
+        h_TF = jax.nn.silu(ops.linear(self.gate_proj, x_TD)) * ops.linear(self.up_proj, x_TD)
         return ops.row_parallel(self.down_proj, h_TF)
 
 
@@ -111,9 +111,9 @@ class Attention(nnx.Module):
         """ops: models/parallel.py ParallelOps: its attention writes the new K/V, then
         attends; o_proj's input is split over devices."""
         T = x_TD.shape[0]
-        q_TNH = self.q_proj(x_TD).reshape(T, self.num_heads, self.head_dim)
-        k_TKH = self.k_proj(x_TD).reshape(T, self.num_kv_heads, self.head_dim)
-        v_TKH = self.v_proj(x_TD).reshape(T, self.num_kv_heads, self.head_dim)
+        q_TNH = ops.linear(self.q_proj, x_TD).reshape(T, self.num_heads, self.head_dim)
+        k_TKH = ops.linear(self.k_proj, x_TD).reshape(T, self.num_kv_heads, self.head_dim)
+        v_TKH = ops.linear(self.v_proj, x_TD).reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
         q_TNH = apply_rope(q_TNH, md.positions, self.inv_freq)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.kernels.linear_methods import LinearMethod
 from jaxllm.models.base import AttentionMetadata, KVCache
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.layers import MLP, Attention, RMSNorm
@@ -41,7 +42,8 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, md: AttentionMetadata, kv_caches: KVCache, ops: ParallelOps):
-        x_TD = ops.embed(self.embed_tokens.embedding[...], md.input_ids)
+        x_TD = ops.embed(self.embed_tokens.embedding[...], md.input_ids,
+                         features=self.embed_tokens.features)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
             x_TD, kv = layer(x_TD, kv, md, ops)
@@ -62,6 +64,18 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, md: AttentionMetadata, kv_caches: KVCache, ops: ParallelOps):
         """-> (hidden [T, D], kv_caches)."""
         return self.model(md, kv_caches, ops)
+
+    def process_weights_after_loading(self, method: LinearMethod) -> None:
+        """Store every dense weight in the form `method` multiplies (vLLM's name), once, after
+        loading; the step must then run with `ops.linear_method` = `method`. A tied embedding
+        is both the lookup table and the LM head: it is stored once, as the method's LM head,
+        and the lookup reads it there."""
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, nnx.Linear):
+                module.kernel = nnx.Param(method.process_weights_after_loading(module.kernel[...]))
+        if self.lm_head is None:
+            embed = self.model.embed_tokens
+            embed.embedding = nnx.Param(method.process_embedding(embed.embedding[...]))
 
     def compute_logits(self, hidden_SD, ops: ParallelOps):
         """[S, D] -> [S, V] float32 logits (matmul in the parameter dtype, f32 accumulate)."""

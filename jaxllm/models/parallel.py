@@ -1,11 +1,13 @@
 """What a model step runs per shard: attention, the embedding lookup, the LM head, and the
-matmuls whose input is split over devices.
+dense matmuls (those whose input is split over devices among them).
 
 Owns: `ParallelOps`, the one object a model's forward receives for everything that must not
-be left to XLA's SPMD partitioner. The partitioner handles the dense layers well (Megatron
-layout, models/sharding.py: one all-reduce after attention, one after the MLP), but it
-cannot see into an attention kernel (kernels/backends.py runs those per shard), and for a
-lookup into a vocabulary-split table it gathered the whole table onto every device. Here:
+be left to XLA's SPMD partitioner, and the linear method (kernels/linear_methods.py) that
+multiplies the dense weights in the form it left them in after loading. The partitioner
+handles the dense layers well (Megatron layout, models/sharding.py: one all-reduce after
+attention, one after the MLP), but it cannot see into an attention kernel
+(kernels/backends.py runs those per shard), and for a lookup into a vocabulary-split table
+it gathered the whole table onto every device. Here:
 
     embed:   device d holds rows [d*V/tp, (d+1)*V/tp) of the table; it looks up the ids in
              its range, zeros for the rest, and one all-reduce [T, D] sums the devices.
@@ -18,8 +20,9 @@ lookup into a vocabulary-split table it gathered the whole table onto every devi
              RowParallelLinear does. Left to the partitioner, the sum ran over the f32
              partial results: twice the bytes (measured, benchmarks/tp_plan.py).
 
-With a mesh of one device (or none) each op is the plain unsharded one. Never holds state
-and never decides a layout (models/tp_layout.py does).
+With a mesh of one device (or none) each op is the plain unsharded one, through the linear
+method. Never holds state and never decides a layout (models/tp_layout.py does); under a mesh
+the linear method is "xla" (the partitioner's layout), anything else is a ValueError.
 """
 
 from __future__ import annotations
@@ -31,26 +34,41 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kernels.backends import TP_AXIS, AttentionLayer, get_backend
+from jaxllm.kernels.linear_methods import LinearMethod, get_linear_method
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelOps:
     attention: AttentionLayer
+    # How the dense weights are stored and multiplied; the model's weights must have been
+    # through its process_weights_after_loading (LlamaForCausalLM does it).
+    linear_method: LinearMethod = dataclasses.field(
+        default_factory=lambda: get_linear_method("xla"))
+
+    def __post_init__(self):
+        if self._mesh is not None and self.linear_method.name != "xla":
+            raise ValueError(f'linear method "{self.linear_method.name}" cannot run under '
+                             "tensor parallelism: the partitioner lays the weights out")
 
     @classmethod
-    def single_device(cls, backend: str = "xla") -> "ParallelOps":
+    def single_device(cls, backend: str = "xla", linear: str = "xla") -> "ParallelOps":
         """No mesh: the model as written, for tools and tests."""
-        return cls(AttentionLayer(get_backend(backend)))
+        return cls(AttentionLayer(get_backend(backend)), get_linear_method(linear))
 
     @property
     def _mesh(self):
         mesh = self.attention.mesh
         return mesh if mesh is not None and mesh.size > 1 else None
 
-    def embed(self, table_VD, ids_T):
-        """Rows of `table_VD` [V, D] at ids_T [T] -> [T, D] in the table's dtype."""
+    def linear(self, layer, x_TK):
+        """A column-parallel (or unsharded) linear layer: XLA's partitioner splits it."""
+        return self.linear_method.apply(layer, x_TK)
+
+    def embed(self, table_VD, ids_T, features: int):
+        """Rows of the embedding `table_VD` [V, D = features] at ids_T [T] -> [T, D] in the
+        table's dtype (the table as the linear method stored it)."""
         if self._mesh is None:
-            return jnp.take(table_VD, ids_T, axis=0)
+            return self.linear_method.embed(table_VD, ids_T, features)
 
         def lookup(table_vD, ids_T):
             rows = table_vD.shape[0]
@@ -70,7 +88,7 @@ class ParallelOps:
             return jnp.einsum(spec, h_SD, w, preferred_element_type=jnp.float32)
 
         if self._mesh is None:
-            return local(hidden_SD, w)[:, :vocab_size]
+            return self.linear_method.logits(hidden_SD, w, spec)[:, :vocab_size]
         vocab_axis = spec.split("->")[0].split(",")[1].index("v")
         w_spec = P(*(TP_AXIS if i == vocab_axis else None for i in range(2)))
 
@@ -86,7 +104,7 @@ class ParallelOps:
         [T, F] (split over F) -> [T, D] whole, in the layer's dtype; its bias is added once,
         after the sum."""
         if self._mesh is None:
-            return linear(x_TF)
+            return self.linear(linear, x_TF)
 
         def partial_sum(x_Tf, w_fD):
             y_TD = jnp.einsum("tf,fd->td", x_Tf, w_fD, preferred_element_type=jnp.float32)

@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxllm.kernels.backends import AttentionBackend, AttentionLayer
+from jaxllm.kernels.linear_methods import LinearMethod, get_linear_method
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from jaxllm.models.base import AttentionMetadata
 from jaxllm.models.llama import init_kv_caches
@@ -67,7 +68,10 @@ class ModelRunner:
     def __init__(self, model, *, num_blocks: int, block_size: int, kv_dtype, buckets: BucketConfig,
                  attention_backend: AttentionBackend, max_model_len: int, max_num_seqs: int,
                  eos_token_ids: tuple[int, ...], mesh,
-                 logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS):
+                 logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS,
+                 linear_method: LinearMethod | None = None):
+        """linear_method: the one `model`'s weights went through after loading
+        (LlamaForCausalLM.process_weights_after_loading); None: "xla", weights as loaded."""
         cfg = model.config
         self.model_config = cfg
         self.num_blocks = num_blocks
@@ -78,6 +82,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.attention_backend = attention_backend
+        self.linear_method = linear_method or get_linear_method("xla")
         self.graphdef, self.state = nnx.split(model)
         # `mesh`: this runner's devices (1 without tensor parallelism). Caches are split over
         # KV heads (the model's layout makes them a multiple of the mesh size); host inputs
@@ -93,7 +98,8 @@ class ModelRunner:
         self._h2d_before_step: dict[str, int] = {}  # sent by dispatch ahead of the step
         self.reset_device_state()
         self.step_fns = CompiledFunctions(
-            make_step_fn(self.graphdef, ParallelOps(AttentionLayer(attention_backend, mesh)),
+            make_step_fn(self.graphdef,
+                         ParallelOps(AttentionLayer(attention_backend, mesh), self.linear_method),
                          logprobs_mode=logprobs_mode, max_logprobs=max_logprobs),
             lambda T, W: (self.state, self.kv_caches, self.token_ids,
                           *abstract_slot_row_inputs(T, buckets.seqs_for(T), W,

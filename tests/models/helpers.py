@@ -110,15 +110,20 @@ def nan_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> 
             for _ in range(cfg.num_hidden_layers)]
 
 
-def jit_step(model, attention_backend: str = "xla"):
+def jit_step(model, attention_backend: str = "xla", linear: str = "xla"):
     """-> step(md, kv_caches) -> (logits [T, V] f32, kv_caches), jitted once over
-    (graphdef, state) with the caches donated, as the model runner does it."""
+    (graphdef, state) with the caches donated, as the model runner does it. linear: the
+    linear method (kernels/linear_methods.py); a copy of the model's weights goes through its
+    process_weights_after_loading, `model` stays as it is."""
+    ops = ParallelOps.single_device(attention_backend, linear)
+    if linear != "xla":
+        model = nnx.clone(model)
+        model.process_weights_after_loading(ops.linear_method)
     graphdef, state = nnx.split(model)
 
     @functools.partial(jax.jit, donate_argnames=("kv_caches",))
     def step(state, md, kv_caches):
         m = nnx.merge(graphdef, state)
-        ops = ParallelOps.single_device(attention_backend)
         hidden_TD, kv_caches = m(md, kv_caches, ops)
         return m.compute_logits(hidden_TD, ops), kv_caches
 

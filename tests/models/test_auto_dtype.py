@@ -13,7 +13,7 @@ import pytest
 from engine_e2e.tiny_model import build_tiny_llama_dir
 from jaxllm.models import auto_dtype
 from jaxllm.models.auto_dtype import (AutoDtypeVerdict, GemmShapes, auto_dtype_verdict,
-                                      choose, time_gemms)
+                                      choose, linear_methods_for, time_gemms)
 from jaxllm.models.dtype import cpu_flags, cpu_model, resolve_dtype
 
 SHAPES = GemmShapes(rows=4, hidden=16, intermediate=32, q_width=16, kv_width=8)
@@ -25,7 +25,8 @@ class FakeTimer:
     def __init__(self, bf16_ms, f32_ms):
         self.result, self.calls = (bf16_ms, f32_ms), 0
 
-    def __call__(self, shapes):
+    def __call__(self, shapes, methods):
+        assert set(methods) == {"bfloat16", "float32"}
         self.calls += 1
         return self.result
 
@@ -41,9 +42,17 @@ def test_bf16_is_chosen_only_past_the_margin(bf16_ms, f32_ms, expected):
     assert choose(bf16_ms, f32_ms) == expected
 
 
-def test_time_gemms_runs_the_model_linears_in_both_dtypes():
-    bf16_ms, f32_ms = time_gemms(SHAPES)
+@pytest.mark.parametrize("linear_backend", ["xla", None])
+def test_time_gemms_runs_the_model_linears_in_both_dtypes(linear_backend):
+    bf16_ms, f32_ms = time_gemms(SHAPES, linear_methods_for(linear_backend))
     assert bf16_ms > 0 and f32_ms > 0
+
+
+def test_the_engines_linear_methods_are_timed():
+    assert {d: m.name for d, m in linear_methods_for("xla").items()} == {
+        "bfloat16": "xla", "float32": "xla"}
+    assert {d: m.name for d, m in linear_methods_for(None, tensor_parallel_size=2).items()} == {
+        "bfloat16": "xla", "float32": "xla"}
 
 
 def test_projections_are_one_llama_layers():
@@ -64,7 +73,7 @@ def test_verdict_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch
     assert timer.calls == 1
     with open(path) as f:
         [(key, entry)] = json.load(f).items()
-    assert key == auto_dtype.machine_key(SHAPES)
+    assert key == auto_dtype.machine_key(SHAPES, linear_methods_for())
     assert cpu_model() in key and SHAPES.key() in key
     assert (entry["dtype"], entry["bf16_ms"], entry["f32_ms"]) == ("bfloat16", 1.0, 2.0)
 
@@ -94,7 +103,7 @@ def test_no_cache_path_measures_every_time(monkeypatch):
                                     '{"KEY": {"dtype": "bfloat16", "bf16_ms": "x"}}'])
 def test_a_damaged_cache_is_measured_again_and_rewritten(tmp_path, monkeypatch, damage):
     path = tmp_path / "auto_dtype.json"
-    path.write_text(damage.replace("KEY", auto_dtype.machine_key(SHAPES)))
+    path.write_text(damage.replace("KEY", auto_dtype.machine_key(SHAPES, linear_methods_for())))
     timer = FakeTimer(1.0, 3.0)
     monkeypatch.setattr(auto_dtype, "time_gemms", timer)
     assert auto_dtype_verdict(SHAPES, str(path)).source == "measured"
@@ -110,7 +119,7 @@ def test_describe_gives_both_figures_and_the_choice():
         "0.74x f32; bf16 is chosen above 1.03x) [measured]")
 
 
-def refuse():
+def refuse(*args):
     raise AssertionError("an explicit dtype or an accelerator must not measure")
 
 
@@ -188,3 +197,35 @@ def test_every_process_runs_bf16_only_if_all_measured_it_faster(monkeypatch, oth
                                              use_cache=False)
     assert votes == [("auto_dtype_bf16", 1)]
     assert (np.dtype(dtype).name, reader) == (expected, None)
+
+
+def fake_methods(**names):
+    return lambda linear_backend=None, tensor_parallel_size=1: {
+        dtype: types.SimpleNamespace(name=name) for dtype, name in names.items()}
+
+
+def test_other_linear_methods_are_measured_again(tmp_path, monkeypatch):
+    path = str(tmp_path / "auto_dtype.json")
+    timer = FakeTimer(1.0, 2.0)
+    monkeypatch.setattr(auto_dtype, "time_gemms", timer)
+    monkeypatch.setattr(auto_dtype, "linear_methods_for", fake_methods(bfloat16="cpu",
+                                                                       float32="cpu"))
+    auto_dtype_verdict(SHAPES, path)
+    auto_dtype_verdict(SHAPES, path)
+    monkeypatch.setattr(auto_dtype, "linear_methods_for", fake_methods(bfloat16="xla",
+                                                                       float32="cpu"))
+    auto_dtype_verdict(SHAPES, path)
+    assert timer.calls == 2
+    with open(path) as f:
+        keys = sorted(json.load(f))
+    assert [k.split(" | ")[3] for k in keys] == ["linear bfloat16=cpu float32=cpu",
+                                                 "linear bfloat16=xla float32=cpu"]
+
+
+def test_a_linear_backend_that_cannot_run_bf16_makes_auto_float32_unmeasured(monkeypatch):
+    monkeypatch.setattr(auto_dtype, "time_gemms", refuse)
+    monkeypatch.setattr(auto_dtype, "linear_methods_for", fake_methods(float32="cpu"))
+    verdict = auto_dtype_verdict(SHAPES, None, linear_backend="cpu")
+    assert verdict.dtype == "float32"
+    assert verdict.describe() == ('dtype="auto" on this CPU is float32 [linear_backend="cpu" '
+                                  "cannot run bfloat16 here]")

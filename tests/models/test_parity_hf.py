@@ -83,14 +83,15 @@ def _schedule():
     return steps
 
 
-def run_paged(model, cfg: ModelConfig, tokens, block_size: int, seed: int, dtype=jnp.float32):
+def run_paged(model, cfg: ModelConfig, tokens, block_size: int, seed: int, dtype=jnp.float32,
+              linear: str = "xla"):
     """Run the schedule; -> list over steps of (logits [T, V], [(seq, positions, rows)])."""
     max_blocks = -(-MAX_LEN // block_size) + 1   # one spare: tables end in null-block padding
     num_blocks = 1 + sum(-(-len(t) // block_size) for t in tokens) + 2
     pool = ShuffledBlockPool(num_blocks, seed)
     seqs = [PagedSequence() for _ in tokens]
     kv = nan_kv_caches(cfg, num_blocks, block_size, dtype)
-    step_fn = jit_step(model)
+    step_fn = jit_step(model, linear=linear)
     results = []
     for i, step in enumerate(_schedule()):
         for s, start, end in step:
@@ -112,8 +113,10 @@ def run_paged(model, cfg: ModelConfig, tokens, block_size: int, seed: int, dtype
     return results
 
 
+# "cpu": the C++ GEMM on packed weights (kernels/linear_methods.py), the CPU default.
+@pytest.mark.parametrize("linear", ["xla", "cpu"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_logits_match_hf(case: Case):
+def test_logits_match_hf(case: Case, linear: str):
     hf = tiny_hf_model(case.config_cls, case.arch, seed=0, **_COMMON, **case.kwargs)
     cfg = ModelConfig.from_hf_config(hf.config.to_dict())
     model = load_params(cfg, hf_numpy_state(hf).items(), jnp.float32)
@@ -123,13 +126,13 @@ def test_logits_match_hf(case: Case):
     refs = [hf_logits(hf, t) for t in tokens]
     assert min(float(np.std(r)) for r in refs) > 0.3, "degenerate reference logits"
 
-    results = run_paged(model, cfg, tokens, case.block_size, seed=7)
+    results = run_paged(model, cfg, tokens, case.block_size, seed=7, linear=linear)
     errors = []
     for logits, rows in results:
         assert np.isfinite(logits).all(), "NaN/inf in logits: a padding or unwritten slot leaked"
         errors.append(max(float(np.abs(logits[r] - refs[s][p]).max()) for s, p, r in rows))
     prefill, chunked, decode = errors[0], errors[1], max(errors[1:])
-    print(f"\n[parity] {case.name}: prefill max abs err {prefill:.2e}, "
+    print(f"\n[parity] {case.name} ({linear}): prefill max abs err {prefill:.2e}, "
           f"mixed chunked-prefill step {chunked:.2e}, decode (8 steps) {decode:.2e}")
     assert prefill <= TOLERANCE
     assert decode <= TOLERANCE, f"per-step errors {errors}"

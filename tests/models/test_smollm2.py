@@ -82,12 +82,12 @@ def test_gguf_last_logits_match_hf(hf_reference, ours_gguf):
     assert max(errs) <= 1e-3
 
 
-def _greedy(model, cfg, ids, steps, block_size=16):
+def _greedy(model, cfg, ids, steps, block_size=16, linear="xla"):
     """Prefill, then `steps - 1` single-token decode steps over the paged cache."""
     num_blocks = 16
     pool = ShuffledBlockPool(num_blocks, seed=3)
     seq = PagedSequence()
-    step = jit_step(model)
+    step = jit_step(model, linear=linear)
     kv = nan_kv_caches(cfg, num_blocks, block_size, jnp.float32)
     tokens, new, cached = list(ids), list(ids), 0
     for _ in range(steps):
@@ -105,14 +105,16 @@ def _greedy(model, cfg, ids, steps, block_size=16):
     return tokens[len(ids):]
 
 
+# "cpu": the C++ GEMM on packed weights (kernels/linear_methods.py), the CPU default.
+@pytest.mark.parametrize("linear", ["xla", "cpu"])
 @pytest.mark.parametrize("prompt", ["The capital of France is", "Water boils at"])
-def test_greedy_32_tokens_match_hf(hf_reference, ours_gguf, prompt):
+def test_greedy_32_tokens_match_hf(hf_reference, ours_gguf, prompt, linear):
     import torch
 
     hf_model, tok, _ = hf_reference
     model, cfg, _ = ours_gguf
     ids = tok(prompt)["input_ids"]
-    ours = _greedy(model, cfg, ids, 32)
+    ours = _greedy(model, cfg, ids, 32, linear=linear)
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                                 dtype=torch.long), do_sample=False, max_new_tokens=32,

@@ -26,10 +26,10 @@ namespace jaxllm {
 
 class ThreadPool {
  public:
-  // Threads in all, the caller included: JAXLLM_CPU_ATTENTION_THREADS if set (>= 1), else the
-  // CPUs this process may run on.
-  static int DefaultSize() {
-    if (const char* env = std::getenv("JAXLLM_CPU_ATTENTION_THREADS")) {
+  // Threads in all, the caller included: the environment variable `env_var` if set (>= 1),
+  // else the CPUs this process may run on.
+  static int DefaultSize(const char* env_var = "JAXLLM_CPU_ATTENTION_THREADS") {
+    if (const char* env = std::getenv(env_var)) {
       int n = std::atoi(env);
       if (n >= 1) return n;
     }

@@ -1,0 +1,394 @@
+// Dense GEMM y = x @ W on CPU as an XLA FFI handler, against weights packed once at load
+// (see jaxllm/kernels/cpu_gemm.py for the packed layout and the Python side).
+//
+// Owns: the XLA FFI handler `JaxllmCpuGemm`: checking shapes, cutting the product into work
+// items (a range of 32-column panels x a chunk of rows), running them on a thread pool, and
+// the register-blocked micro-kernels: bf16 x bf16 pairs by AVX512-BF16 (vdpbf16ps), f32 by
+// FMAs, both accumulating in f32, the result stored as f32 or rounded once to bf16.
+// Must never: read past the x rows or the packed panels it was handed (odd K and partial
+// panels are handled by the tail code and the packing's zero padding, never by over-reading
+// x), or write outside y.
+//
+// The micro-kernel keeps a tile of up to kMaxRows rows x 32 columns in 2 x kMaxRows zmm
+// accumulators; per step of K it loads the panel's 32 columns once (two zmm) and broadcasts
+// one value (f32) or one pair (bf16) of each row:
+//
+//   packed bf16 panel p, step k2:  [ W[2k2][32p+0] W[2k2+1][32p+0] | W[2k2][32p+1] ... ]
+//                                   = 64 bf16, lane j of the two zmm = column 32p+j's pair
+//   x row m, step k2:               ( x[m][2k2] x[m][2k2+1] ) broadcast to all 16 lanes
+//   acc[m][j] += x[m][2k2] * W[2k2][32p+j] + x[m][2k2+1] * W[2k2+1][32p+j]   (vdpbf16ps)
+//
+// A panel is contiguous (K x 32 values), so a work item streams its panels linearly; the
+// rows of a chunk (up to 72) reuse each panel from L1/L2 while it is hot.
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "thread_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace jaxllm {
+namespace {
+
+constexpr int kPanelCols = 32;     // columns per packed panel: two zmm of f32 accumulators
+constexpr int kMaxRows = 12;       // rows per micro-kernel call: 24 accumulators + 2 + 1
+constexpr int kChunkBlocks = 6;    // micro-blocks (of up to kMaxRows rows) per work item
+constexpr int kItemsPerThread = 4; // work items per pool thread when there are enough panels
+// At most this many bytes of packed weight per work item: the slice stays in L2 while the
+// items of the other row chunks (handed out next, to any thread) read it again.
+constexpr long kItemWeightBytes = 256 << 10;
+// Below this many multiply-adds (x 1e3) a call runs on the calling thread alone: waking the
+// pool costs more than it saves.
+constexpr long kInlineKiloMacs = 64;
+
+ThreadPool& Pool() {
+  // Leaked on purpose, as ThreadPool::Get() is (see thread_pool.h).
+  static ThreadPool* pool = new ThreadPool(ThreadPool::DefaultSize("JAXLLM_CPU_GEMM_THREADS"));
+  return *pool;
+}
+
+enum class Elem { kF32, kBF16 };
+
+struct Problem {
+  int M, K, N;
+  Elem in;          // x and W
+  bool out_bf16;    // y is bf16 (rounded to nearest even) rather than f32
+  const void* x;    // [M, K]
+  const void* w;    // packed panels
+  void* y;          // [M, N]
+};
+
+#if defined(__AVX512F__)
+
+// Store one row's 32 accumulators (two zmm) as `cols` <= 32 values of y.
+inline void StoreRow(__m512 lo, __m512 hi, void* y, long offset, int cols, bool out_bf16) {
+  const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const int rest = cols - 16;
+  const __mmask16 m1 = rest >= 16 ? 0xffff
+                       : rest > 0 ? static_cast<__mmask16>((1u << rest) - 1) : 0;
+  if (out_bf16) {
+#if defined(__AVX512BF16__)
+    uint16_t* dst = static_cast<uint16_t*>(y) + offset;
+    _mm256_mask_storeu_epi16(dst, m0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
+    if (m1) _mm256_mask_storeu_epi16(dst + 16, m1,
+                                     reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
+#endif
+  } else {
+    float* dst = static_cast<float*>(y) + offset;
+    _mm512_mask_storeu_ps(dst, m0, lo);
+    if (m1) _mm512_mask_storeu_ps(dst + 16, m1, hi);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// Rows [0, MR) of x (bf16, row stride ldx) against one packed bf16 panel.
+template <int MR>
+void KernelBf16(const uint16_t* x, long ldx, int K, const uint16_t* panel, void* y, long ldy,
+                int cols, bool out_bf16) {
+  __m512 acc[MR][2];
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const int K2 = K / 2;
+  for (int k2 = 0; k2 < K2; ++k2) {
+    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + k2 * 64));
+    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + k2 * 64 + 32));
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + 2 * k2, 4);
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
+    }
+  }
+  if (K & 1) {  // the last k pairs with the packing's zero row; x[m][K] is never read
+    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + K2 * 64));
+    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + K2 * 64 + 32));
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh a = reinterpret_cast<__m512bh>(
+          _mm512_set1_epi32(static_cast<int32_t>(x[m * ldx + K - 1])));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
+    }
+  }
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) StoreRow(acc[m][0], acc[m][1], y, m * ldy, cols, out_bf16);
+}
+#endif  // __AVX512BF16__
+
+// Rows [0, MR) of x (f32) against one packed f32 panel [K][32].
+template <int MR>
+void KernelF32(const float* x, long ldx, int K, const float* panel, void* y, long ldy, int cols,
+               bool out_bf16) {
+  __m512 acc[MR][2];
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int k = 0; k < K; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(panel + k * 32);
+    const __m512 b1 = _mm512_loadu_ps(panel + k * 32 + 16);
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; ++m) {
+      const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
+      acc[m][0] = _mm512_fmadd_ps(a, b0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(a, b1, acc[m][1]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) StoreRow(acc[m][0], acc[m][1], y, m * ldy, cols, out_bf16);
+}
+
+using KernelFn = void (*)(const void* x, long ldx, int K, const void* panel, void* y, long ldy,
+                          int cols, bool out_bf16);
+
+template <Elem E, int MR>
+void KernelThunk(const void* x, long ldx, int K, const void* panel, void* y, long ldy, int cols,
+                 bool out_bf16) {
+  if constexpr (E == Elem::kF32) {
+    KernelF32<MR>(static_cast<const float*>(x), ldx, K, static_cast<const float*>(panel), y,
+                  ldy, cols, out_bf16);
+  } else {
+#if defined(__AVX512BF16__)
+    KernelBf16<MR>(static_cast<const uint16_t*>(x), ldx, K,
+                   static_cast<const uint16_t*>(panel), y, ldy, cols, out_bf16);
+#endif
+  }
+}
+
+template <Elem E, int... MRs>
+constexpr std::array<KernelFn, sizeof...(MRs)> KernelTable(std::integer_sequence<int, MRs...>) {
+  return {&KernelThunk<E, MRs + 1>...};
+}
+
+template <Elem E>
+KernelFn KernelFor(int rows) {
+  static constexpr auto table = KernelTable<E>(std::make_integer_sequence<int, kMaxRows>{});
+  return table[rows - 1];
+}
+
+#endif  // __AVX512F__
+
+// M rows cut into `count` micro-blocks of at most kMaxRows rows, as even as possible.
+struct RowBlocks {
+  int count;
+  int Begin(int i, int M) const { return static_cast<int>(static_cast<long>(M) * i / count); }
+};
+
+std::string Run(const Problem& p) {
+#if !defined(__AVX512F__)
+  return "this library was built without AVX-512";
+#else
+  if (p.in == Elem::kBF16 || p.out_bf16) {
+#if !defined(__AVX512BF16__)
+    return "this library was built without AVX512-BF16";
+#endif
+  }
+  const int P = (p.N + kPanelCols - 1) / kPanelCols;
+  const long panel_elems = p.in == Elem::kBF16 ? static_cast<long>((p.K + 1) / 2) * 64
+                                               : static_cast<long>(p.K) * kPanelCols;
+  const int elem_bytes = p.in == Elem::kBF16 ? 2 : 4;
+  const int out_bytes = p.out_bf16 ? 2 : 4;
+  const RowBlocks blocks{(p.M + kMaxRows - 1) / kMaxRows};
+  const int m_chunks = (blocks.count + kChunkBlocks - 1) / kChunkBlocks;
+  ThreadPool& pool = Pool();
+  const long kilo_macs = static_cast<long>(p.M) * p.K / 1000 * p.N;
+  const int threads = kilo_macs < kInlineKiloMacs ? 1 : pool.size();
+  const long slice_chunks = (P * panel_elems * elem_bytes + kItemWeightBytes - 1) /
+                           kItemWeightBytes;
+  const int n_chunks = static_cast<int>(std::clamp<long>(
+      std::max<long>(kItemsPerThread * threads / m_chunks, m_chunks > 1 ? slice_chunks : 1),
+      1, P));
+
+  // Items in the order handed out: the row chunks of one column slice one after another.
+  auto item = [&](int i) {
+    const int nc = i / m_chunks, mc = i % m_chunks;
+    const int b_begin = mc * kChunkBlocks, b_end = std::min(blocks.count, b_begin + kChunkBlocks);
+    const int p_begin = static_cast<int>(static_cast<long>(P) * nc / n_chunks);
+    const int p_end = static_cast<int>(static_cast<long>(P) * (nc + 1) / n_chunks);
+    for (int q = p_begin; q < p_end; ++q) {
+      const char* panel = static_cast<const char*>(p.w) + q * panel_elems * elem_bytes;
+      const int col0 = q * kPanelCols, cols = std::min(kPanelCols, p.N - col0);
+      for (int b = b_begin; b < b_end; ++b) {
+        const int r0 = blocks.Begin(b, p.M), rows = blocks.Begin(b + 1, p.M) - r0;
+        const char* x = static_cast<const char*>(p.x) + static_cast<long>(r0) * p.K * elem_bytes;
+        char* y = static_cast<char*>(p.y) +
+                  (static_cast<long>(r0) * p.N + col0) * out_bytes;
+        if (p.in == Elem::kBF16) {
+          KernelFor<Elem::kBF16>(rows)(x, p.K, p.K, panel, y, p.N, cols, p.out_bf16);
+        } else {
+          KernelFor<Elem::kF32>(rows)(x, p.K, p.K, panel, y, p.N, cols, p.out_bf16);
+        }
+      }
+    }
+  };
+  const int items = m_chunks * n_chunks;
+  if (threads == 1) {
+    for (int i = 0; i < items; ++i) item(i);
+  } else {
+    pool.Run(items, item);
+  }
+  return "";
+#endif
+}
+
+#if defined(__AVX512F__)
+// 12 independent accumulators hide the instruction's latency (4-6 cycles) at 2 per cycle.
+template <bool kBf16>
+double PeakLoop(long iters) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+  const __m512 u = _mm512_set1_ps(1e-8f), v = _mm512_set1_ps(1e-8f);
+  for (long i = 0; i < iters; ++i) {
+#define JAXLLM_STEP(acc)                                                               \
+    if constexpr (kBf16) {                                                             \
+      acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(u),                      \
+                             reinterpret_cast<__m512bh>(v));                          \
+    } else {                                                                           \
+      acc = _mm512_fmadd_ps(u, v, acc);                                                \
+    }                                                                                  \
+    __asm__ volatile("" : "+v"(acc));
+    JAXLLM_STEP(a0) JAXLLM_STEP(a1) JAXLLM_STEP(a2) JAXLLM_STEP(a3) JAXLLM_STEP(a4)
+    JAXLLM_STEP(a5) JAXLLM_STEP(a6) JAXLLM_STEP(a7) JAXLLM_STEP(a8) JAXLLM_STEP(a9)
+    JAXLLM_STEP(a10) JAXLLM_STEP(a11)
+#undef JAXLLM_STEP
+  }
+  __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+  sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
+  float lanes[16];  // (not _mm512_reduce_add_ps: GCC 12 warns inside it)
+  _mm512_storeu_ps(lanes, sum);
+  double total = 0.0;
+  for (float lane : lanes) total += lane;
+  return total;
+}
+#endif
+
+double PeakGflops(bool bf16, int threads, double seconds) {
+#if !defined(__AVX512F__)
+  return 0.0;
+#else
+#if !defined(__AVX512BF16__)
+  if (bf16) return 0.0;
+#endif
+  auto loop = [bf16](long iters) {
+#if defined(__AVX512BF16__)
+    if (bf16) return PeakLoop<true>(iters);
+#endif
+    return PeakLoop<false>(iters);
+  };
+  // Calibrate on this thread, then run `threads` copies at once.
+  long iters = 1 << 16;
+  for (;;) {
+    auto t0 = std::chrono::steady_clock::now();
+    volatile double sink = loop(iters);
+    (void)sink;
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (dt > seconds / 10 || iters > (1L << 40)) {
+      iters = static_cast<long>(iters * seconds / std::max(dt, 1e-9));
+      break;
+    }
+    iters *= 4;
+  }
+  std::vector<std::thread> pool;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&loop, iters] {
+      volatile double sink = loop(iters);
+      (void)sink;
+    });
+  }
+  for (auto& t : pool) t.join();
+  double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double flops_per_step = bf16 ? 64.0 : 32.0;
+  return 12.0 * flops_per_step * iters * threads / dt / 1e9;
+#endif
+}
+
+ffi::Error Gemm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || wd.size() != 3) {
+    return ffi::Error::InvalidArgument("x must be [M, K], y [M, N] and the packed weight 3-D");
+  }
+  Problem p{static_cast<int>(xd[0]), static_cast<int>(xd[1]), static_cast<int>(yd[1]),
+            Elem::kF32, false, x.untyped_data(), w.untyped_data(), y->untyped_data()};
+  if (yd[0] != p.M) return ffi::Error::InvalidArgument("x and y have different row counts");
+  const ffi::DataType xt = x.element_type(), wt = w.element_type(), yt = y->element_type();
+  if (xt != wt) return ffi::Error::InvalidArgument("x and the packed weight differ in dtype");
+  if (xt == ffi::DataType::BF16) {
+    p.in = Elem::kBF16;
+  } else if (xt != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("x must be bf16 or f32");
+  }
+  if (yt == ffi::DataType::BF16) {
+    p.out_bf16 = true;
+  } else if (yt != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("y must be bf16 or f32");
+  }
+  const long P = (p.N + kPanelCols - 1) / kPanelCols;
+  const bool packed_ok = p.in == Elem::kBF16
+      ? wd[0] == P && wd[1] == (p.K + 1) / 2 && wd[2] == 2 * kPanelCols
+      : wd[0] == P && wd[1] == p.K && wd[2] == kPanelCols;
+  if (!packed_ok) {
+    return ffi::Error::InvalidArgument(
+        "the packed weight's shape does not match K = " + std::to_string(p.K) +
+        " and N = " + std::to_string(p.N));
+  }
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  std::string problem = Run(p);
+  if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxllm
+
+extern "C" {
+
+__attribute__((visibility("default"))) XLA_FFI_Error* JaxllmCpuGemm(XLA_FFI_CallFrame* call_frame);
+
+// Threads the GEMM pool runs on (the caller's included), for tests and benchmarks.
+__attribute__((visibility("default"))) int JaxllmCpuGemmNumThreads() {
+  return jaxllm::Pool().size();
+}
+
+// What the library was compiled with: bit 0 AVX-512F (the f32 kernel), bit 1 AVX512-BF16
+// (the bf16 kernel and bf16 outputs).
+__attribute__((visibility("default"))) int JaxllmCpuGemmIsa() {
+  int isa = 0;
+#if defined(__AVX512F__)
+  isa |= 1;
+#endif
+#if defined(__AVX512BF16__)
+  isa |= 2;
+#endif
+  return isa;
+}
+
+// This machine's multiply-add peak in GFLOP/s: `threads` threads each running a chain-free
+// loop of vdpbf16ps (bf16 != 0; 64 flops each) or vfmadd231ps (32 flops) on zmm registers for
+// about `seconds`; 0 when the library lacks the instruction. For benchmarks/cpu_gemm.py.
+__attribute__((visibility("default"))) double JaxllmCpuGemmPeakGflops(int bf16, int threads,
+                                                                      double seconds) {
+  return jaxllm::PeakGflops(bf16 != 0, threads, seconds);
+}
+
+}  // extern "C"
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmCpuGemm, jaxllm::Gemm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()   // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()   // packed W
+                                  .Ret<ffi::AnyBuffer>()); // y [M, N]
