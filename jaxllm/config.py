@@ -17,6 +17,7 @@ import dataclasses
 
 from jaxllm.cache import AUTO
 from jaxllm.kernels import ATTENTION_BACKENDS, LINEAR_BACKENDS
+from jaxllm.research.requests import ResearchConfig
 from jaxllm.sampling_params import LOGPROBS_MODES
 from jaxllm.scheduling_policy import SCHEDULING_POLICIES
 
@@ -76,8 +77,16 @@ class EngineConfig:
     # The largest `n` (samples of one request) admitted: vLLM's VLLM_MAX_N_SEQUENCES and its
     # default, here an engine argument (`--max-n-sequences`).
     max_n_sequences: int = 16384
+    # What the compiled step can capture and steer (jaxllm.research.ResearchConfig, or its
+    # fields as a dict); None: nothing, the step is the plain one.
+    research: ResearchConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.research, dict):
+            object.__setattr__(self, "research", ResearchConfig(**self.research))
+        if self.research is not None and not isinstance(self.research, ResearchConfig):
+            raise ValueError(f"research must be a jaxllm.research.ResearchConfig, a dict of "
+                             f"its fields or None, got {type(self.research).__name__}")
         for name in ("model", "tokenizer", "gguf_file", "compilation_cache_dir", "master_addr"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):

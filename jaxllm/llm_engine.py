@@ -41,7 +41,9 @@ from jaxllm.models.checkpoint import load_checkpoint, read_checkpoint_config
 from jaxllm.models.resolve import DEFAULT_MODEL, resolve_model
 from jaxllm.models.sharding import Placement, make_mesh
 from jaxllm.outputs import RequestOutput
+from jaxllm.research.requests import ResearchLimits
 from jaxllm.runner.buckets import BucketConfig
+from jaxllm.runner.features import make_step_features
 from jaxllm.runner.kv_cache import (DeviceMemory, KVCacheSizing, StepMemory,
                                     determine_num_blocks, device_memory, kv_bytes_per_block,
                                     needs_profile, provisional_num_blocks, size_from_profile)
@@ -131,7 +133,10 @@ class LLMEngine:
                                    max_logprobs=config.max_logprobs, eos_token_id=eos,
                                    extra_eos_ids=extra_eos_ids, engine_seed=config.seed,
                                    scheduling_policy=config.scheduling_policy,
-                                   max_n_sequences=config.max_n_sequences)
+                                   max_n_sequences=config.max_n_sequences,
+                                   research=ResearchLimits(config.research,
+                                                           num_layers=mcfg.num_hidden_layers,
+                                                           hidden_size=mcfg.hidden_size))
 
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.
@@ -146,7 +151,10 @@ class LLMEngine:
                              mesh=placement.mesh,
                              logprobs_mode=config.logprobs_mode,
                              max_logprobs=config.max_logprobs,
-                             linear_method=linear_method)
+                             linear_method=linear_method,
+                             features=make_step_features(config.research,
+                                                         num_slots=config.max_num_seqs,
+                                                         hidden_size=mcfg.hidden_size))
         del model
         # The figures behind num_blocks on an accelerator (None where the config or the CPU
         # default decides). Each process reads its own devices.

@@ -95,6 +95,9 @@ class ModelRunnerOutput:
     # list when no request in the batch asked for any.
     logprobs: list[Any | None] | None = None
     prompt_logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)  # opaque
+    # req_id -> its captured activations of this step (jaxllm.research.ActivationChunk),
+    # for the requests that capture
+    activations: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.sampled_token_ids) != len(self.req_ids):
@@ -116,6 +119,7 @@ class EngineCoreOutput:
     new_logprobs: Any | None = None  # copied through from ModelRunnerOutput.logprobs
     new_prompt_logprobs: Any | None = None  # copied through from .prompt_logprobs
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
+    new_activations: Any | None = None  # copied through from ModelRunnerOutput.activations
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,7 @@ Plain containers only: no tokenizer, no device arrays. The engine fills them; us
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -46,6 +47,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # jaxllm.research.Activations when the request captured (extra_args["capture"]): every
+    # position computed so far, cumulative whatever the output kind; None otherwise
+    activations: Any | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

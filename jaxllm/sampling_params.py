@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+from typing import Any
 
 from jaxllm.unicode_text import check_text
 from jaxllm.value_ranges import (FLOAT32_MAX, FLOAT32_MIN_POSITIVE, INT32_MAX, INT64_MAX,
@@ -107,6 +108,9 @@ class SamplingParams:
     # per-request logits processors (arbitrary Python on the logits) and best_of.
     logits_processors: list | None = None
     best_of: int | None = None
+    # vLLM's field for arguments its own sampler does not read; jaxllm reads "capture" and
+    # "steer" (jaxllm.research: activation capture and steering) and ignores other keys.
+    extra_args: dict[str, Any] | None = None
     # bad_words as token sequences, filled by the processor at admission (it owns the
     # tokenizer); None until then.
     _bad_words_token_ids: list[list[int]] | None = dataclasses.field(

@@ -20,6 +20,7 @@ import dataclasses
 from jaxllm.engine.block_hash import ROOT_HASH, hash_block_tokens
 from jaxllm.engine.block_pool import BlockPool, KVCacheBlock
 from jaxllm.kv_capacity import cdiv, check_fits
+from jaxllm.research.requests import reads_prefix_cache
 
 if TYPE_CHECKING:
     from jaxllm.engine.request import Request
@@ -69,8 +70,11 @@ class KVCacheManager:
     # -- prefix caching -------------------------------------------------------------------
     def uses_prefix_cache(self, request: Request) -> bool:
         """Whether a lookup is made for this request: not when caching is off, nor when it
-        wants prompt logprobs (every prompt position must then be computed, as in vLLM)."""
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+        wants prompt logprobs (every prompt position must then be computed, as in vLLM),
+        nor when it captures activations (a cached position would not be captured)."""
+        params = request.sampling_params
+        return (self.enable_caching and params.prompt_logprobs is None
+                and reads_prefix_cache(params))
 
     def update_block_hashes(self, request: Request) -> None:
         if self.enable_caching:

@@ -34,6 +34,8 @@ from jaxllm.engine.processor import FanOut
 from jaxllm.engine.request_ids import RequestIds
 from jaxllm.messages import EngineCoreOutput
 from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxllm.research.activations import Activations
+from jaxllm.research.requests import capture_of
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class ChildState:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     num_prompt_logprobs: int = 1  # positions already filled (position 0 is always None)
     num_sent_tokens: int = 0  # DELTA: token ids (and their logprobs) already emitted
+    activations: Activations | None = None  # when it captures (extra_args["capture"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,9 @@ class OutputProcessor:
                 parent, index, params,
                 IncrementalDetokenizer(tok, params, parent.prompt_token_ids),
                 LogprobsProcessor(params, tok))
+            capture = capture_of(params)
+            if capture is not None:
+                children[child.request_id].activations = Activations(capture.names)
         self.parents[request.request_id] = parent
         self.children.update(children)
 
@@ -188,6 +194,8 @@ class OutputProcessor:
             self._token_times(parent.metrics, now)
         if out.new_logprobs is not None:
             child.logprobs.add_sample_logprobs(out.new_logprobs)
+        if out.new_activations is not None:
+            child.activations.add(out.new_activations)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         child.token_ids.extend(out.new_token_ids)
         text_ids = out.new_token_ids
@@ -278,6 +286,7 @@ class OutputProcessor:
             logprobs=None if logprobs is None else logprobs[start:],
             finish_reason=finish_reason,
             stop_reason=stop_reason,
+            activations=child.activations,
         )
 
     def _add_prompt_logprobs(self, child: ChildState, first_position: int, lists) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from jaxllm.engine.request_ids import child_request_ids
 from jaxllm.messages import EngineCoreRequest
+from jaxllm.research.requests import ResearchLimits
 from jaxllm.sampling_limits import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, banned_until_min_tokens,
                                     request_seed)
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
@@ -186,9 +187,12 @@ class Processor:
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
                  eos_token_id: int | None, extra_eos_ids: Sequence[int], engine_seed: int,
-                 scheduling_policy: str = "fcfs", max_n_sequences: int = 16384):
+                 scheduling_policy: str = "fcfs", max_n_sequences: int = 16384,
+                 research: ResearchLimits | None = None):
         """max_n_sequences: the largest `n` a request may ask for (vLLM's
-        VLLM_MAX_N_SEQUENCES, the engine argument `max_n_sequences` here)."""
+        VLLM_MAX_N_SEQUENCES, the engine argument `max_n_sequences` here). research: what
+        the engine can capture and steer (None: nothing)."""
+        self.research = research or ResearchLimits()
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
@@ -334,6 +338,7 @@ class Processor:
             if bad:
                 raise ValueError(f"{name} must be in [0, {self.vocab_size}), got {bad[0]}")
         banned_until_min_tokens(params, self.eos_token_ids)  # raises past the sampler's width
+        self.research.check(params)
         if params.bad_words:
             params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         return params

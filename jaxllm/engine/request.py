@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from jaxllm.engine.block_hash import BlockHash, extend_block_hashes
+from jaxllm.research.requests import cache_extra_keys as research_cache_keys
 
 
 class RequestStatus(enum.IntEnum):
@@ -163,9 +164,10 @@ class Request:
 
     @property
     def cache_extra_keys(self) -> tuple:
-        """What besides the tokens a cached block must match: empty today; a LoRA id and
-        `cache_salt` will go here."""
-        return ()
+        """What besides the tokens a cached block must match: the request's steering
+        vectors (jaxllm/research/requests.py), so a steered request's KV never serves a
+        plain one; a LoRA id and `cache_salt` will go here."""
+        return research_cache_keys(self.sampling_params)
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

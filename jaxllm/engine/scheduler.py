@@ -311,12 +311,14 @@ class Scheduler:
         request.num_output_placeholders -= 1 if sampled else 0
         new_token_ids = self._append_until_stop(request, sampled)
         prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+        activations = model_runner_output.activations.get(req_id)
         if new_token_ids:
             # Blocks that just filled join the prefix cache, before any free below.
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         if request.is_finished():
             self._free_request(request)
-        if not (new_token_ids or request.is_finished() or prompt_logprobs is not None):
+        if not (new_token_ids or request.is_finished() or prompt_logprobs is not None
+                or activations is not None):
             return None
         logprobs = model_runner_output.logprobs
         return EngineCoreOutput(
@@ -327,6 +329,7 @@ class Scheduler:
             new_logprobs=None if logprobs is None else logprobs[i],
             new_prompt_logprobs=prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
+            new_activations=activations,
         )
 
     def take_failed_outputs(self) -> list[EngineCoreOutput]:

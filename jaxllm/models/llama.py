@@ -4,7 +4,9 @@ Owns: the network, as a Flax NNX module that the step splits once into (graphdef
 The forward is functional at the step boundary: (tokens, kv_caches, metadata) in,
 (hidden, kv_caches) out; the caller donates kv_caches. What runs per shard under tensor
 parallelism (attention, the embedding lookup, the LM head) goes through the `ParallelOps`
-the caller passes (models/parallel.py). Never reads global state.
+the caller passes (models/parallel.py). The residual stream passes the step's features at
+its named sites (`hooks.at`, models/hooks.py; the identity without features).
+Never reads global state.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from flax import nnx
 from jaxllm.kernels.linear_methods import LinearMethod
 from jaxllm.models.base import AttentionMetadata, KVCache
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.hooks import NO_HOOKS, StepHooks
 from jaxllm.models.layers import MLP, Attention, RMSNorm
 from jaxllm.models.parallel import ParallelOps
 
@@ -26,11 +29,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_TD, kv, md, ops):
+    def __call__(self, x_TD, kv, md, ops, hooks: StepHooks = NO_HOOKS, i: int = 0):
+        x_TD = hooks.at("resid_pre", i, x_TD)
         h_TD, kv = self.self_attn(self.input_layernorm(x_TD), kv, md, ops)
-        x_TD = x_TD + h_TD
-        x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD), ops)
-        return x_TD, kv
+        x_TD = x_TD + hooks.at("attn_out", i, h_TD)
+        x_TD = x_TD + hooks.at("mlp_out", i, self.mlp(self.post_attention_layernorm(x_TD), ops))
+        return hooks.at("resid_post", i, x_TD), kv
 
 
 class LlamaModel(nnx.Module):
@@ -41,14 +45,15 @@ class LlamaModel(nnx.Module):
                                 for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, md: AttentionMetadata, kv_caches: KVCache, ops: ParallelOps):
+    def __call__(self, md: AttentionMetadata, kv_caches: KVCache, ops: ParallelOps,
+                 hooks: StepHooks = NO_HOOKS):
         x_TD = ops.embed(self.embed_tokens.embedding[...], md.input_ids,
                          features=self.embed_tokens.features)
         new_caches = []
-        for layer, kv in zip(self.layers, kv_caches):
-            x_TD, kv = layer(x_TD, kv, md, ops)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            x_TD, kv = layer(x_TD, kv, md, ops, hooks, i)
             new_caches.append(kv)
-        return self.norm(x_TD), new_caches
+        return hooks.at("final_norm", None, self.norm(x_TD)), new_caches
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -61,9 +66,10 @@ class LlamaForCausalLM(nnx.Module):
             cfg.hidden_size, cfg.num_embeddings, use_bias=False, dtype=dtype,
             param_dtype=dtype, rngs=rngs)
 
-    def __call__(self, md: AttentionMetadata, kv_caches: KVCache, ops: ParallelOps):
+    def __call__(self, md: AttentionMetadata, kv_caches: KVCache, ops: ParallelOps,
+                 hooks: StepHooks = NO_HOOKS):
         """-> (hidden [T, D], kv_caches)."""
-        return self.model(md, kv_caches, ops)
+        return self.model(md, kv_caches, ops, hooks)
 
     def process_weights_after_loading(self, method: LinearMethod) -> None:
         """Store every dense weight in the form `method` multiplies (vLLM's name), once, after

@@ -40,6 +40,7 @@ import numpy as np
 from jaxllm.messages import NewRequestData, SchedulerOutput
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.device_rows import DeviceRows, entry_buckets, row_buckets
+from jaxllm.runner.step_features import StepFeature
 from jaxllm.runner.sampling_metadata import (ALL_LOGPROBS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS,
                                              NO_TOKEN, SamplingMetadata, SamplingSlots,
                                              allowed_token_bits, bad_words_rows)
@@ -71,6 +72,9 @@ class HostStep:
     # req_id -> (first row, end row, first prompt position scored, top-k asked) of its
     # prompt logprobs
     prompt_logprob_spans: dict[str, tuple[int, int, int, int]]
+    # step feature name -> what it must remember of this step (StepFeature.prepare), for
+    # the features that have something to fetch
+    feature_records: dict = dataclasses.field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -79,8 +83,12 @@ class HostStep:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 block_size: int, eos_token_ids: Sequence[int], vocab_size: int = 0):
+                 block_size: int, eos_token_ids: Sequence[int], vocab_size: int = 0,
+                 features: tuple[StepFeature, ...] = ()):
+        """features: the engine's step features; their per-slot tables join slot_rows()
+        and they see every request that joins and every step packed."""
         R = max_num_reqs
+        self.features = tuple(features)
         self.max_num_reqs = R
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -114,8 +122,11 @@ class InputBatch:
 
     def slot_rows(self) -> dict[str, DeviceRows]:
         """The per-slot tables the step reads on the device, by the step input they fill."""
-        return {"block_tables": self.block_table, "bad_words": self.bad_words,
+        rows = {"block_tables": self.block_table, "bad_words": self.bad_words,
                 "allowed_token_bits": self.allowed_token_bits}
+        for feature in self.features:
+            rows.update(feature.slot_rows())
+        return rows
 
     @property
     def num_reqs(self) -> int:
@@ -151,6 +162,8 @@ class InputBatch:
         self.bad_words.set_row(slot, bad_words_rows(p.bad_words_token_ids))
         self.allowed_token_bits.set_row(slot, allowed_token_bits(p.allowed_token_ids,
                                                                  self.vocab_size))
+        for feature in self.features:
+            feature.add_request(slot, new)
         return slot
 
     def remove_request(self, req_id: str) -> None:
@@ -237,10 +250,15 @@ class InputBatch:
 
         self.num_computed_tokens[slots] = seq_lens_real
         self.num_tokens[slots[samples]] += 1
-        return HostStep(input_ids, positions, slot_mapping, W, seq_lens,
+        step = HostStep(input_ids, positions, slot_mapping, W, seq_lens,
                         query_start_loc, np.asarray(n, np.int32), slot_T, from_device_T,
                         logits_indices, slot_S, samples_S, targets, wants, sampling, req_ids,
                         self.generation[slots].copy(), spans)
+        for feature in self.features:
+            record = feature.prepare(step)
+            if record is not None:
+                step.feature_records[feature.name] = record
+        return step
 
     def block_tables(self, step: HostStep) -> np.ndarray:
         """[S, W] the block tables of a step just packed, from the host mirror: what the

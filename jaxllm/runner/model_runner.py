@@ -53,6 +53,7 @@ from jaxllm.runner.kv_cache import StepMemory, per_device_bytes
 from jaxllm.runner.sampler import logprobs_lists
 from jaxllm.runner.step import (BatchMetadata, CompiledFunctions, StepOutput,
                                 abstract_slot_row_inputs, make_step_fn)
+from jaxllm.runner.step_features import StepFeature
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 
@@ -69,9 +70,12 @@ class ModelRunner:
                  attention_backend: AttentionBackend, max_model_len: int, max_num_seqs: int,
                  eos_token_ids: tuple[int, ...], mesh,
                  logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS,
-                 linear_method: LinearMethod | None = None):
+                 linear_method: LinearMethod | None = None,
+                 features: tuple[StepFeature, ...] = ()):
         """linear_method: the one `model`'s weights went through after loading
-        (LlamaForCausalLM.process_weights_after_loading); None: "xla", weights as loaded."""
+        (LlamaForCausalLM.process_weights_after_loading); None: "xla", weights as loaded.
+        features: the step features (runner/step_features.py, made by
+        runner/features.make_step_features from the engine's research config)."""
         cfg = model.config
         self.model_config = cfg
         self.num_blocks = num_blocks
@@ -90,8 +94,10 @@ class ModelRunner:
         rep = NamedSharding(mesh, PartitionSpec())
         self.replicated = rep
         self.kv_sharding = kv_cache_sharding(mesh)
+        self.features = tuple(features)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, buckets.width_buckets[-1],
-                                      block_size, eos_token_ids, cfg.vocab_size)
+                                      block_size, eos_token_ids, cfg.vocab_size,
+                                      self.features)
         self.slot_rows = self.input_batch.slot_rows()
         self.last_step_h2d: dict[str, int] = {}  # bytes of the last step, by part
         self.total_h2d_bytes = 0
@@ -100,7 +106,8 @@ class ModelRunner:
         self.step_fns = CompiledFunctions(
             make_step_fn(self.graphdef,
                          ParallelOps(AttentionLayer(attention_backend, mesh), self.linear_method),
-                         logprobs_mode=logprobs_mode, max_logprobs=max_logprobs),
+                         logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
+                         features=self.features),
             lambda T, W: (self.state, self.kv_caches, self.token_ids,
                           *abstract_slot_row_inputs(T, buckets.seqs_for(T), W,
                                                     self._slot_tables(), rep)))
@@ -280,7 +287,19 @@ class ModelRunner:
                         if want[i] >= 0 and sampled[i] else None for i in range(n)]
         return ModelRunnerOutput(req_ids=host.req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs,
-                                 prompt_logprobs=self._prompt_logprobs(host, out))
+                                 prompt_logprobs=self._prompt_logprobs(host, out),
+                                 activations=self._collect_features(host, out))
+
+    def _collect_features(self, host: HostStep, out: StepOutput) -> dict:
+        """req_id -> what a feature gives it from this step; a feature's output is copied
+        from the device only when the step's packing noted rows to fetch."""
+        collected = {}
+        for feature in self.features:
+            record = host.feature_records.get(feature.name)
+            if record is not None:
+                collected.update(feature.collect(record,
+                                                 jax.device_get(out.features[feature.name])))
+        return collected
 
     def _prompt_logprobs(self, host: HostStep, out: StepOutput
                          ) -> dict[str, tuple[int, LogprobsLists]]:

@@ -20,12 +20,14 @@ The runner's step also reads the persistent batch's per-slot tables on the devic
 block tables [R + 1, W_max], bad words, allowed-token bits; runner/device_rows.py) and
 gathers the rows of this step's sequences itself (`with_slot_rows`), so the host sends
 neither the [S, W] block tables nor the sampling tables. They are only read, never donated.
+The step features' tables are among them; the features themselves act at the forward's
+named points through `StepHooks` and may add outputs (`StepOutput.features`).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import flax.struct
 import jax
@@ -33,11 +35,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.models.base import AttentionMetadata
+from jaxllm.models.hooks import StepHooks
 from jaxllm.models.parallel import ParallelOps
 from jaxllm.runner.sampler import (LogprobsTensors, chunked_prompt_logprobs, num_topk,
                                    prompt_logprobs_chunk_rows, sample, zero_logprobs)
 from jaxllm.runner.sampling_metadata import SamplingMetadata, dummy_sampling_metadata
 from jaxllm.sampling_params import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from jaxllm.runner.step_features import StepFeature
 
 
 @flax.struct.dataclass
@@ -58,15 +64,20 @@ class StepOutput:
     sampled_token_ids: jax.Array  # [S] int32 (garbage for rows that do not sample)
     logprobs: LogprobsTensors  # [S] rows; zeros unless some row asked
     prompt_logprobs: LogprobsTensors  # [T] rows; zeros unless some row asked
+    # feature name -> its extra output (runner/step_features.py), e.g. "capture": [T, K, D]
+    features: dict[str, Any] = flax.struct.field(default_factory=dict)
 
 
 def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logprobs",
-                 max_logprobs: int = MAX_LOGPROBS, prompt_logprobs_chunk: int | None = None):
+                 max_logprobs: int = MAX_LOGPROBS, prompt_logprobs_chunk: int | None = None,
+                 features: tuple[StepFeature, ...] = ()):
     """`ops`: what runs per shard (models/parallel.py); the logits it returns are whole rows
     on every device, so sampling needs no collective. logprobs_mode and max_logprobs (the
     top-k width of every logprobs output) are engine statics. prompt_logprobs_chunk: prompt
     rows whose logits are computed at once (None: as many as fit
-    sampler.PROMPT_LOGPROBS_CHUNK_BYTES)."""
+    sampler.PROMPT_LOGPROBS_CHUNK_BYTES). features: the engine's step features
+    (runner/step_features.py), at the forward's named points; their per-slot tables are
+    among `rows`."""
 
     def step(state, kv_caches, token_ids_RL, md: AttentionMetadata, bm: BatchMetadata,
              smd: SamplingMetadata, rows: dict[str, jax.Array] | None = None,
@@ -78,7 +89,8 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
         known_T = token_ids_RL.at[bm.slot_T, md.positions].get(mode="fill", fill_value=0)
         input_ids_T = jnp.where(bm.from_device_T, known_T, md.input_ids)
         token_ids_RL = token_ids_RL.at[bm.slot_T, md.positions].set(input_ids_T, mode="drop")
-        hidden_TD, kv_caches = model(md.replace(input_ids=input_ids_T), kv_caches, ops)
+        hooks = StepHooks(features, rows, bm.slot_T)
+        hidden_TD, kv_caches = model(md.replace(input_ids=input_ids_T), kv_caches, ops, hooks)
         logits_SV = model.compute_logits(hidden_TD[bm.logits_indices_S], ops)  # f32
 
         k = num_topk(max_logprobs, logits_SV.shape[-1])
@@ -97,8 +109,8 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
 
         prompt = jax.lax.cond(jnp.any(bm.wants_prompt_logprobs_T), prompt_logprobs,
                               lambda: zero_logprobs(bm.prompt_targets_T, k))
-        return (StepOutput(out.sampled_token_ids, out.logprobs, prompt), kv_caches,
-                token_ids_RL)
+        return (StepOutput(out.sampled_token_ids, out.logprobs, prompt, hooks.outputs()),
+                kv_caches, token_ids_RL)
 
     return jax.jit(step, donate_argnums=(1, 2), static_argnums=7)
 

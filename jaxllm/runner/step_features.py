@@ -1,0 +1,60 @@
+"""The seam every request-level capability that changes the jitted step grows from.
+
+Owns the `StepFeature` interface and `StepHooks`, the trace-time object that carries the
+features through one traced step. A feature is one object with three parts (STYLE.md,
+"Seams"), each at a fixed place of the runner:
+
+    host      slot_rows()            per-slot device tables (DeviceRows) the persistent batch
+                                     owns: written by add_request when a request joins its
+                                     slot, sent as diffs, read in the step by slot
+              add_request(slot, p)   write this request's rows (the checked SamplingParams)
+              prepare(step)          at packing: what the host must remember of this step
+                                     (None: nothing to fetch)
+    device    transform(site, layer, x_TD, hooks)
+                                     at a named point of the forward (the residual stream's
+                                     sites, jaxllm/research/requests.py); returns x_TD
+              step_output(hooks)     an extra output of the step (None: none)
+    host      collect(record, value) req_id -> what the request gets from this step
+
+    static    the constructor's arguments: fixed per engine, so the buckets do not multiply
+
+The model calls `hooks.at(site, layer, x_TD)` at each named point; with no feature that is
+the identity and the program is unchanged. Features run in list order at a point (steering
+before capture: a capture sees the steered stream). Never branches on a feature's name: the
+runner, the step and the model only loop over features. (StepHooks lives with the models,
+jaxllm/models/hooks.py: the model calls it and must not import the runner.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxllm.models.hooks import StepHooks
+from jaxllm.runner.device_rows import DeviceRows
+
+
+class StepFeature:
+    """Base: a feature that adds nothing anywhere. Subclasses override what they use."""
+
+    name = "feature"
+
+    def slot_rows(self) -> dict[str, DeviceRows]:
+        return {}
+
+    def add_request(self, slot: int, params) -> None:
+        pass
+
+    def prepare(self, step) -> Any:
+        return None
+
+    def transform(self, site: str, layer: int | None, x_TD: jax.Array,
+                  hooks: StepHooks) -> jax.Array:
+        return x_TD
+
+    def step_output(self, hooks: StepHooks) -> Any:
+        return None
+
+    def collect(self, record: Any, value: Any) -> dict[str, Any]:
+        return {}
