@@ -62,12 +62,13 @@ def median_ms(fn, repeats=7, warmup=2):
 
 # ---- the machine -----------------------------------------------------------------------
 
-def measure_bandwidth_gbs() -> float:
-    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
+def measure_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
+    """Read bandwidth of a jitted sum over `num_bytes` of float32 (1 GiB by default; keep it
+    well above the last-level cache)."""
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
     f = jax.jit(lambda a: jnp.sum(a))
     ms = median_ms(lambda: f(x).block_until_ready(), repeats=5)
-    del x
-    return (1 << 30) / (ms * 1e-3) / 1e9
+    return num_bytes / (ms * 1e-3) / 1e9
 
 
 def measure_gemm_gflops(m, k, n, dtype) -> float:

@@ -103,6 +103,9 @@ class Scheduler:
         # Prefix cache, in tokens (vLLM's counters): tokens looked up, and tokens found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # The latest schedule()'s output, for reading from outside (notebooks, debugging:
+        # who ran how many tokens with which blocks); the engine never reads it back.
+        self.last_scheduler_output: SchedulerOutput | None = None
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -267,6 +270,7 @@ class Scheduler:
                 request.num_output_placeholders += 1
         self.finished_req_ids = set()
         check_invariants(self, output)
+        self.last_scheduler_output = output
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,

@@ -130,6 +130,18 @@ def test_running_first_then_waiting_fill_the_budget():
     assert [r.req_id for r in out.scheduled_new_reqs] == ["c"]
 
 
+def test_last_scheduler_output_is_the_latest_schedule():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    assert sched.last_scheduler_output is None
+    sched.add_request(make_request("a", 3))
+    first, _ = step(sched)
+    assert sched.last_scheduler_output is first
+    second = sched.schedule()
+    assert sched.last_scheduler_output is second
+    assert second.num_scheduled_tokens == {"a": 1}
+    assert second.scheduled_cached_reqs[0].num_computed_tokens == 3
+
+
 def test_max_num_seqs_caps_running_and_fcfs_admits_the_next():
     sched = make_scheduler(max_num_seqs=2)
     sched.add_request(make_request("a", 4, max_tokens=1))
