@@ -44,8 +44,9 @@ def hf_tiny(tiny_model_dir):
     import torch
     import transformers
 
+    # Eager attention: the only one that returns its probabilities (output_attentions).
     return transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir, dtype=torch.float32).eval()
+        tiny_model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def test_capture_equals_hf_within_1e4_through_chunked_prefill(research_llm, hf_tiny):
@@ -184,3 +185,34 @@ def test_research_config_is_checked_against_the_model(make_tiny_llm):
         make_tiny_llm(research=ResearchConfig(capture_layers=(2,)))
     with pytest.raises(ValueError, match=r"research\.capture_sites must be among"):
         ResearchConfig(capture_sites=("logits",))
+
+
+def test_logit_lens_and_attention_patterns_match_hf(research_llm, hf_tiny):
+    import torch
+
+    from jaxllm.research.lens import attention_pattern, logit_lens
+
+    prompt = random_prompts([21], seed=11)[0]
+    out = research_llm.generate([{"prompt_token_ids": prompt}], greedy(4, extra_args=capture()),
+                                use_tqdm=False)[0].outputs[0]
+    acts = out.activations
+    computed = prompt + out.token_ids[:-1]
+    # The lens of the last layer's stream is the model's own next-token choice.
+    final = logit_lens(research_llm, acts["final_norm"], final_norm=False)
+    np.testing.assert_allclose(logit_lens(research_llm, acts["layers.1.resid_post"]), final,
+                               atol=1e-5)
+    assert final[len(prompt) - 1:].argmax(-1).tolist() == out.token_ids
+    # Layer 0's lens against HF's norm and LM head on HF's own layer-0 output.
+    with torch.no_grad():
+        ids = torch.tensor([computed])
+        hidden = hf_tiny.model(ids, output_hidden_states=True).hidden_states[1]
+        ref = hf_tiny.lm_head(hf_tiny.model.norm(hidden))[0].numpy()
+        hf_pattern = hf_tiny(ids, output_attentions=True).attentions[1][0].numpy()
+    np.testing.assert_allclose(logit_lens(research_llm, acts["layers.0.resid_post"]), ref,
+                               atol=1e-4)
+    pattern = attention_pattern(research_llm, 1, acts["layers.1.resid_pre"])
+    assert pattern.shape == (4, len(computed), len(computed))
+    np.testing.assert_allclose(pattern, hf_pattern, atol=1e-5)
+    np.testing.assert_allclose(pattern.sum(-1), 1.0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"hidden_PD must have shape \[P, 64\]"):
+        logit_lens(research_llm, np.zeros((3, 5)))
