@@ -277,3 +277,30 @@ def test_logit_lens_and_attention_patterns_match_hf(research_llm, hf_tiny):
     np.testing.assert_allclose(pattern.sum(-1), 1.0, atol=1e-5)
     with pytest.raises(ValueError, match=r"hidden_PD must have shape \[P, 64\]"):
         logit_lens(research_llm, np.zeros((3, 5)))
+
+
+def test_async_llm_streams_captures_with_its_outputs(tiny_model_dir, research_llm):
+    import asyncio
+
+    from jaxllm import AsyncEngineArgs, AsyncLLM
+    from tiny_model import SMALL
+
+    args = {k: v for k, v in SMALL.items() if k != "use_tqdm_on_load"}
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=tiny_model_dir, research=RESEARCH,
+                                                       **args))
+    prompt = {"prompt_token_ids": random_prompts([9], seed=13)[0]}
+    params = greedy(5, extra_args=capture(layers=(1,), sites=("resid_post",)))
+
+    async def stream():
+        return [out async for out in engine.generate(prompt, params, "cap-1")]
+
+    try:
+        outs = asyncio.run(stream())
+    finally:
+        engine.shutdown()
+    final = outs[-1].outputs[0]
+    offline = research_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert final.token_ids == offline.token_ids
+    np.testing.assert_array_equal(final.activations.positions, np.arange(13))
+    np.testing.assert_allclose(final.activations["layers.1.resid_post"],
+                               offline.activations["layers.1.resid_post"], atol=1e-5)
