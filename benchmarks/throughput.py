@@ -3,7 +3,8 @@ transformers and llama.cpp on the same token ids, in the same run.
 
 Workload (issue 8's): N prompts of random token ids (fixed seed), input and output lengths
 drawn uniformly from the given ranges, greedy, EOS ignored so every request produces exactly
-its length. Each system runs the whole workload `--repeats` times after its own warm-up; the
+its length. Each system runs the whole workload `--repeats` times after its own warm-up
+(jaxllm and vLLM: `--warmup-runs` untimed runs of the whole workload, default 1); the
 medians are compared as output tok/s ratios, and the greedy tokens are compared with the peer
 of the same dtype (fraction of requests whose tokens are identical, and of tokens before the
 first difference). Every system runs in its own fresh process (vLLM in its own python), so
@@ -70,6 +71,8 @@ def run_jaxllm(args, prompts, outs, dtype):
           f"{engine.warmup_seconds:.1f} s, {engine.runner.num_compiles} compiles, attention "
           f"{engine.runner.attention_backend.name}, dtype {np.dtype(engine.runner.kv_dtype).name})")
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in outs]
+    for _ in range(args.warmup_runs):  # whole-workload runs, not timed
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     times, results = [], None
     for _ in range(args.repeats):
         t0 = time.perf_counter()
@@ -195,6 +198,9 @@ def main():
     p.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="runs of jaxllm and vLLM")
+    p.add_argument("--warmup-runs", type=int, default=1,
+                   help="untimed runs of the whole workload before jaxllm's and vLLM's "
+                        "timed ones (a first run is 20-40%% slower for both)")
     p.add_argument("--hf-repeats", type=int, default=3, help="runs of HF and llama.cpp")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -245,6 +251,7 @@ def main():
         print(f"running {peer} ...", flush=True)
         if peer in VLLM_PEERS:
             runs[peer] = run_vllm(python, peer, vllm_path, prompts, outs, repeats=args.repeats,
+                                  warmup_runs=args.warmup_runs,
                                   max_num_seqs=args.max_num_seqs,
                                   max_model_len=args.max_model_len,
                                   ld_preload=args.vllm_ld_preload)

@@ -14,7 +14,8 @@ Layouts (vLLM's CPU backend reads them when its engine starts):
 Both set VLLM_CPU_KVCACHE_SPACE=2 (GiB of KV cache). Which layout is faster depends on the
 machine and the load beside it, so both are measured, in both dtypes.
 
-Timing: a 2-request warm-up after the load, then the whole workload `repeats` times, each
+Timing: a 2-request warm-up after the load, `warmup_runs` untimed runs of the whole
+workload, then the whole workload `repeats` times, each
 one LLM.generate call timed around itself (generation only; the load is not timed).
 Peak RSS: vLLM v1 runs its engine in child processes (on the CPU backend of 0.32: EngineCore,
 and its Worker, which holds the weights and the KV cache). After the timed runs and before
@@ -75,12 +76,13 @@ def layout_env(layout: str, base: dict[str, str], cpus: list[int]) -> dict[str, 
 
 def run_vllm(python: str, peer: str, model_dir: str, prompts: list[list[int]],
              outs: list[int], *, repeats: int, max_num_seqs: int, max_model_len: int,
-             ld_preload: str | None = None) -> dict:
+             ld_preload: str | None = None, warmup_runs: int = 0) -> dict:
     """One vLLM peer in a subprocess: {"times", "tokens", "peak_rss_mib", "info"}.
     ld_preload: LD_PRELOAD for vLLM alone (its docs ask for tcmalloc and Intel's OpenMP)."""
     dtype, layout = VLLM_PEERS[peer]
     work = {"model": model_dir, "dtype": dtype, "prompts": prompts, "outs": outs,
-            "repeats": repeats, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
+            "repeats": repeats, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+            "warmup_runs": warmup_runs}
     env = layout_env(layout, dict(os.environ), sorted(os.sched_getaffinity(0)))
     if ld_preload:
         env["LD_PRELOAD"] = ld_preload
@@ -159,6 +161,8 @@ def _child(work_path: str, result_path: str) -> None:
               for o in work["outs"]]
     warmup = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)
     llm.generate(prompts[:2], [warmup, warmup], use_tqdm=False)
+    for _ in range(work.get("warmup_runs", 0)):  # whole-workload runs, not timed
+        llm.generate(prompts, params, use_tqdm=False)
     times, outputs = [], None
     for _ in range(work["repeats"]):
         t0 = time.perf_counter()

@@ -136,7 +136,9 @@ class LLMEngine:
                                    max_n_sequences=config.max_n_sequences,
                                    research=ResearchLimits(config.research,
                                                            num_layers=mcfg.num_hidden_layers,
-                                                           hidden_size=mcfg.hidden_size))
+                                                           hidden_size=mcfg.hidden_size,
+                                                           num_heads=mcfg.num_attention_heads,
+                                                           head_dim=mcfg.head_dim))
 
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.
@@ -154,7 +156,9 @@ class LLMEngine:
                              linear_method=linear_method,
                              features=make_step_features(config.research,
                                                          num_slots=config.max_num_seqs,
-                                                         hidden_size=mcfg.hidden_size))
+                                                         hidden_size=mcfg.hidden_size,
+                                                         num_heads=mcfg.num_attention_heads,
+                                                         head_dim=mcfg.head_dim))
         del model
         # The figures behind num_blocks on an accelerator (None where the config or the CPU
         # default decides). Each process reads its own devices.

@@ -55,7 +55,9 @@ def num_images(nb) -> int:
 def test_notebooks_exist():
     assert {p.name for p in NOTEBOOKS} == {"quickstart.ipynb",
                                            "inside_the_paged_kv_cache.ipynb",
-                                           "throughput.ipynb"}
+                                           "throughput.ipynb",
+                                           "logit_lens_and_attention.ipynb",
+                                           "steering.ipynb"}
 
 
 def test_notebooks_are_committed_without_outputs():
@@ -118,4 +120,32 @@ def test_throughput():
     # Batching amortizes the weight reads (loosely: the machine may be shared).
     assert by_batch[-1]["roofline_tokens_per_s"] > 4 * by_batch[0]["roofline_tokens_per_s"]
     assert by_batch[-1]["tokens_per_s"] > 1.5 * by_batch[0]["tokens_per_s"]
+    assert num_images(nb) == 1
+
+
+@pytest.mark.slow
+def test_logit_lens_and_attention():
+    nb = execute(ROOT / "notebooks" / "logit_lens_and_attention.ipynb")
+    result = summary(nb)
+    assert result["answer"] == " Paris"
+    probs = result["answer_prob"]
+    assert len(probs) == 30
+    # The answer is nowhere in the early layers and the model's choice at the last one.
+    assert max(probs[:10]) < 1e-3 and probs[-1] > 0.5
+    assert 0 < result["first_layer"] <= 29
+    assert result["heads"] == 9 and result["num_positions"] == 5
+    assert 0 <= result["attention_to_first"] <= 1
+    assert num_images(nb) == 2
+
+
+@pytest.mark.slow
+def test_steering():
+    nb = execute(ROOT / "notebooks" / "steering.ipynb")
+    result = summary(nb)
+    gaps = result["logit_gap"]
+    assert result["alphas"] == [-12, -8, -4, 0, 4, 8, 12]
+    assert gaps == sorted(gaps) and gaps[-1] - gaps[0] > 2  # "happy" rises with alpha
+    assert gaps[0] < 0 < gaps[-1]
+    assert "sad" in result["texts"][0] and "happy" in result["texts"][-1]
+    assert result["plain_unchanged"]
     assert num_images(nb) == 1

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxllm.models.base import AttentionMetadata
 from jaxllm.models.config import ModelConfig, RopeScaling
+from jaxllm.models.hooks import NO_HOOKS, StepHooks
 
 
 class RMSNorm(nnx.Module):
@@ -107,16 +108,27 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling))
         self.sm_scale = 1.0 / math.sqrt(H)
 
-    def __call__(self, x_TD, kv, md: AttentionMetadata, ops):
-        """ops: models/parallel.py ParallelOps: its attention writes the new K/V, then
-        attends; o_proj's input is split over devices."""
+    def project_qk(self, x_TD, positions_T, ops):
+        """The queries [T, N, H] and keys [T, K, H] attention compares, RoPE applied (also
+        what jaxllm.research.lens draws attention patterns from)."""
         T = x_TD.shape[0]
         q_TNH = ops.linear(self.q_proj, x_TD).reshape(T, self.num_heads, self.head_dim)
         k_TKH = ops.linear(self.k_proj, x_TD).reshape(T, self.num_kv_heads, self.head_dim)
-        v_TKH = ops.linear(self.v_proj, x_TD).reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
-        q_TNH = apply_rope(q_TNH, md.positions, self.inv_freq)
-        k_TKH = apply_rope(k_TKH, md.positions, self.inv_freq)
+        return (apply_rope(q_TNH, positions_T, self.inv_freq),
+                apply_rope(k_TKH, positions_T, self.inv_freq))
+
+    def __call__(self, x_TD, kv, md: AttentionMetadata, ops, hooks: StepHooks = NO_HOOKS,
+                 layer: int = 0):
+        """ops: models/parallel.py ParallelOps: its attention writes the new K/V, then
+        attends; o_proj's input is split over devices. hooks: the step's features at the
+        per-head sites q, k, v (as attention reads them) and z (its output per head)."""
+        T = x_TD.shape[0]
+        q_TNH, k_TKH = self.project_qk(x_TD, md.positions, ops)
+        v_TKH = ops.linear(self.v_proj, x_TD).reshape(T, self.num_kv_heads, self.head_dim)
+        q_TNH, k_TKH = hooks.at("q", layer, q_TNH), hooks.at("k", layer, k_TKH)
+        v_TKH = hooks.at("v", layer, v_TKH)
         o_TNH, kv = ops.attention(q_TNH, k_TKH, v_TKH, kv, md, sm_scale=self.sm_scale)
+        o_TNH = hooks.at("z", layer, o_TNH)
         return ops.row_parallel(self.o_proj, o_TNH.reshape(T, -1)), kv

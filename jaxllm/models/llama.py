@@ -31,7 +31,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_TD, kv, md, ops, hooks: StepHooks = NO_HOOKS, i: int = 0):
         x_TD = hooks.at("resid_pre", i, x_TD)
-        h_TD, kv = self.self_attn(self.input_layernorm(x_TD), kv, md, ops)
+        h_TD, kv = self.self_attn(self.input_layernorm(x_TD), kv, md, ops, hooks, i)
         x_TD = x_TD + hooks.at("attn_out", i, h_TD)
         x_TD = x_TD + hooks.at("mlp_out", i, self.mlp(self.post_attention_layernorm(x_TD), ops))
         return hooks.at("resid_post", i, x_TD), kv

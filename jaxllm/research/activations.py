@@ -16,14 +16,15 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class ActivationChunk:
     positions: np.ndarray  # [N] int32, token positions, ascending
-    values: dict[str, np.ndarray]  # name -> [N, D] float32
+    values: dict[str, np.ndarray]  # name -> [N, ...] float32 ([N, D]; [N, heads, H] per head)
 
 
 class Activations:
     """A completion's captured activations. `positions` [P] int32 ascending (the token
     positions computed while it captured, filtered by its Capture), and `self[name]` the
-    [P, D] float32 values at them, e.g. self["layers.3.resid_post"][i] is the residual
-    stream after layer 3 at token position positions[i]."""
+    float32 values at them, [P, D] on the residual stream and [P, heads, head_dim] for
+    q, k, v and z: self["layers.3.resid_post"][i] is the residual stream after layer 3
+    at token position positions[i]."""
 
     def __init__(self, names: tuple[str, ...]):
         self.names = names

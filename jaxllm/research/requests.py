@@ -1,17 +1,21 @@
 """What research the engine can do (fixed per engine) and what one request asks of it.
 
 Owns the static configuration `ResearchConfig` (LLM(research=...)), the request selectors
-`Capture` and `Steer` (read from `SamplingParams.extra_args`, vLLM's field for arguments its
+`Capture`, `Steer` and `Ablate` (read from `SamplingParams.extra_args`, vLLM's field for arguments its
 own sampler does not read), their checks at admission (`ResearchLimits.check`: a ValueError
 naming the argument and the allowed values) and what they change in the engine: a steered
-request's prefix-cache key, and a capturing request's skipping of the prefix cache (a cached
+or ablated request's prefix-cache key, and a capturing request's skipping of the prefix cache (a cached
 position is never computed, so it could not be captured). Never imports jax: the engine
 reads it. Never decides how a capture or a steer runs on the device (jaxllm/runner/features/).
 
 Sites, in the order a decoder layer meets them (names as in TransformerLens' hook points):
 
-    resid_pre  -> norm -> attention -> attn_out (+) -> norm -> MLP -> mlp_out (+) resid_post
+    resid_pre -> norm -> q, k, v -> attention -> z -> o_proj = attn_out (+)
+              -> norm -> MLP = mlp_out (+) -> resid_post
     (per layer; resid_pre of layer l + 1 is resid_post of layer l)
+    [P, hidden_size] on the residual stream; q, k, v, z per head: q [P, heads, head_dim]
+    and k, v [P, kv_heads, head_dim] after RoPE (q, k) as attention reads them, z
+    [P, heads, head_dim] the attention output per head before o_proj
     final_norm: the model's last norm of the last layer's resid_post (no layer)
 
 A steer adds alpha * vector to resid_post of its layer, for its request's rows only; a
@@ -28,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-LAYER_SITES = ("resid_pre", "attn_out", "mlp_out", "resid_post")
+LAYER_SITES = ("resid_pre", "attn_out", "mlp_out", "resid_post", "q", "k", "v", "z")
 MODEL_SITES = ("final_norm",)
 CAPTURE_SITES = LAYER_SITES + MODEL_SITES
 POSITION_SETS = ("all", "prompt", "generated")
@@ -58,12 +62,14 @@ def _sites(value, name: str, allowed: Sequence[str]) -> tuple[str, ...]:
 class ResearchConfig:
     """What the compiled step can capture and steer, fixed per engine so that the buckets
     stay static. capture_layers x capture_sites (minus final_norm, which is captured once)
-    are written by every step to one output buffer; steer_layers each get a per-slot
-    vector table. An empty config compiles nothing in."""
+    are returned by every step; steer_layers each get a per-slot vector table, and
+    ablate_layers a per-slot head mask and replacement. An empty config compiles nothing
+    in."""
 
     capture_layers: tuple[int, ...] = ()
     capture_sites: tuple[str, ...] = ("resid_post",)
     steer_layers: tuple[int, ...] = ()
+    ablate_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "capture_layers",
@@ -73,9 +79,9 @@ class ResearchConfig:
                            tuple(dict.fromkeys(_sites(self.capture_sites,
                                                       "research.capture_sites",
                                                       CAPTURE_SITES))))
-        object.__setattr__(self, "steer_layers",
-                           tuple(sorted(set(_int_tuple(self.steer_layers,
-                                                       "research.steer_layers")))))
+        for name in ("steer_layers", "ablate_layers"):
+            object.__setattr__(self, name, tuple(sorted(set(_int_tuple(
+                getattr(self, name), f"research.{name}")))))
 
     @property
     def capture_points(self) -> tuple[tuple[str, int | None], ...]:
@@ -117,6 +123,28 @@ class Steer:
     alpha: float = 1.0
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Ablate:
+    """Replace attention heads' outputs (z, before o_proj) at `layer` for this request:
+    with zeros, or with `mean` ([len(heads), head_dim], e.g. the heads' mean z over a
+    dataset, captured) for mean ablation."""
+
+    layer: int
+    heads: Sequence[int]
+    mean: Any = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HeadAblation:
+    """A checked Ablate: keep [heads] (1.0 keeps a head, 0.0 replaces it), fill
+    [heads, head_dim] (what replaced heads become), and its prefix-cache key."""
+
+    layer: int
+    keep: np.ndarray
+    fill: np.ndarray
+    cache_key: tuple
+
+
 @dataclasses.dataclass(frozen=True)
 class CaptureSelection:
     """A checked Capture: the names it returns and its position filter."""
@@ -153,23 +181,30 @@ def steers_of(params) -> tuple[SteerVector, ...]:
     return (getattr(params, "extra_args", None) or {}).get("_steer", ())
 
 
+def ablations_of(params) -> tuple[HeadAblation, ...]:
+    return (getattr(params, "extra_args", None) or {}).get("_ablate", ())
+
+
 def reads_prefix_cache(params) -> bool:
     """A capturing request computes every position (it could not capture a cached one)."""
     return capture_of(params) is None
 
 
 def cache_extra_keys(params) -> tuple:
-    return tuple(s.cache_key for s in steers_of(params))
+    """What a request's KV depends on besides its tokens: its steers and ablations."""
+    return (tuple(s.cache_key for s in steers_of(params))
+            + tuple(a.cache_key for a in ablations_of(params)))
 
 
 class ResearchLimits:
     """One engine's research configuration and model dimensions: the admission checks."""
 
     def __init__(self, config: ResearchConfig | None = None, *, num_layers: int = 0,
-                 hidden_size: int = 0):
+                 hidden_size: int = 0, num_heads: int = 0, head_dim: int = 0):
         self.config = config or ResearchConfig()
         self.hidden_size = hidden_size
-        for name in ("capture_layers", "steer_layers"):
+        self.num_heads, self.head_dim = num_heads, head_dim
+        for name in ("capture_layers", "steer_layers", "ablate_layers"):
             bad = [layer for layer in getattr(self.config, name)
                    if not 0 <= layer < num_layers]
             if bad:
@@ -195,6 +230,16 @@ class ResearchLimits:
                 raise ValueError(f"extra_args['steer'] has two steers of layer "
                                  f"{max(layers, key=layers.count)}; give one per layer")
             extra["_steer"] = tuple(checked)
+        if "ablate" in extra:
+            ablations = extra["ablate"]
+            ablations = ([ablations] if isinstance(ablations, (Ablate, dict))
+                         else list(ablations))
+            checked = [self._ablate(a) for a in ablations]
+            layers = [a.layer for a in checked]
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"extra_args['ablate'] has two ablations of layer "
+                                 f"{max(layers, key=layers.count)}; give one per layer")
+            extra["_ablate"] = tuple(checked)
 
     def _capture(self, capture) -> CaptureSelection:
         if isinstance(capture, dict):
@@ -252,3 +297,36 @@ class ResearchLimits:
             raise ValueError("extra_args['steer']: alpha * vector must be finite")
         digest = hashlib.sha256(delta.tobytes()).hexdigest()[:32]
         return SteerVector(steer.layer, delta, ("steer", steer.layer, digest))
+
+    def _ablate(self, ablate) -> HeadAblation:
+        if isinstance(ablate, dict):
+            ablate = Ablate(**ablate)
+        if not isinstance(ablate, Ablate):
+            raise ValueError(f"extra_args['ablate'] must be a jaxllm.research.Ablate (or a "
+                             f"list of them), got {type(ablate).__name__}")
+        layers = self.config.ablate_layers
+        if not layers:
+            raise ValueError("extra_args['ablate'] needs an engine that ablates: start it "
+                             "with LLM(research=ResearchConfig(ablate_layers=...))")
+        if ablate.layer not in layers:
+            raise ValueError(f"extra_args['ablate'].layer must be among the engine's "
+                             f"ablate_layers {list(layers)}, got {ablate.layer!r}")
+        heads = _int_tuple(ablate.heads, "extra_args['ablate'].heads")
+        N, H = self.num_heads, self.head_dim
+        bad = [h for h in heads if not 0 <= h < N]
+        if bad or not heads or len(set(heads)) != len(heads):
+            raise ValueError(f"extra_args['ablate'].heads must be distinct heads in [0, {N}), "
+                             f"got {list(heads)}")
+        keep = np.ones(N, np.float32)
+        keep[list(heads)] = 0.0
+        fill = np.zeros((N, H), np.float32)
+        if ablate.mean is not None:
+            mean = np.asarray(ablate.mean, np.float32)
+            if mean.shape != (len(heads), H):
+                raise ValueError(f"extra_args['ablate'].mean must have shape "
+                                 f"({len(heads)}, {H}) (heads, head_dim), got {mean.shape}")
+            if not np.isfinite(mean).all():
+                raise ValueError("extra_args['ablate'].mean must be finite")
+            fill[list(heads)] = mean
+        digest = hashlib.sha256(keep.tobytes() + fill.tobytes()).hexdigest()[:32]
+        return HeadAblation(ablate.layer, keep, fill, ("ablate", ablate.layer, digest))

@@ -103,9 +103,10 @@ class ModelRunner:
         self.total_h2d_bytes = 0
         self._h2d_before_step: dict[str, int] = {}  # sent by dispatch ahead of the step
         self.reset_device_state()
+        # What runs per shard; also what jaxllm.research.lens applies the LM head with.
+        self.ops = ParallelOps(AttentionLayer(attention_backend, mesh), self.linear_method)
         self.step_fns = CompiledFunctions(
-            make_step_fn(self.graphdef,
-                         ParallelOps(AttentionLayer(attention_backend, mesh), self.linear_method),
+            make_step_fn(self.graphdef, self.ops,
                          logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
                          features=self.features),
             lambda T, W: (self.state, self.kv_caches, self.token_ids,

@@ -1,7 +1,9 @@
 """HF transformers' activations at jaxllm's capture sites, from forward hooks (test helper).
 
 resid_pre: a decoder layer's input; resid_post: its output; attn_out / mlp_out: the outputs
-of its self_attn and mlp modules (before the residual adds); final_norm: the model's norm.
+of its self_attn and mlp modules (before the residual adds); v: v_proj's output per KV
+head; z: o_proj's input per head; final_norm: the model's norm. (q and k after RoPE have
+no module to hook: the tests check them through attention patterns.)
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def hf_sites(model, token_ids, steer=None) -> dict[str, np.ndarray]:
         handles.append(layer.register_forward_hook(keep(f"layers.{i}.resid_post")))
         handles.append(layer.self_attn.register_forward_hook(keep(f"layers.{i}.attn_out")))
         handles.append(layer.mlp.register_forward_hook(keep(f"layers.{i}.mlp_out")))
+        attn = layer.self_attn
+        H = attn.head_dim
+        handles.append(attn.v_proj.register_forward_hook(
+            lambda m, args, out, i=i, H=H: found.__setitem__(
+                f"layers.{i}.v", out[0].detach().numpy().reshape(out.shape[1], -1, H))))
+        handles.append(attn.o_proj.register_forward_pre_hook(
+            lambda m, args, i=i, H=H: found.__setitem__(
+                f"layers.{i}.z", args[0][0].detach().numpy().reshape(args[0].shape[1], -1, H))))
     handles.append(model.model.norm.register_forward_hook(keep("final_norm")))
     try:
         with torch.no_grad():

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 from jaxllm.research.requests import ResearchConfig
+from jaxllm.runner.features.ablation import HeadAblationFeature
 from jaxllm.runner.features.capture import ActivationCapture
 from jaxllm.runner.features.steering import Steering
 from jaxllm.runner.step_features import StepFeature
 
 
-def make_step_features(research: ResearchConfig | None, *, num_slots: int,
-                       hidden_size: int) -> tuple[StepFeature, ...]:
-    """The features of an engine, in the order they apply at a shared point: steering
-    first, so that a capture sees the steered residual stream."""
+def make_step_features(research: ResearchConfig | None, *, num_slots: int, hidden_size: int,
+                       num_heads: int = 0, head_dim: int = 0) -> tuple[StepFeature, ...]:
+    """The features of an engine, in the order they apply at a shared point: ablation and
+    steering first, so that a capture sees the values the model goes on with."""
     research = research or ResearchConfig()
     features: list[StepFeature] = []
+    if research.ablate_layers:
+        features.append(HeadAblationFeature(research.ablate_layers, num_slots, num_heads,
+                                            head_dim))
     if research.steer_layers:
         features.append(Steering(research.steer_layers, num_slots, hidden_size))
     if research.captures:

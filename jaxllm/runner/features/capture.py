@@ -1,10 +1,11 @@
-"""Activation capture: the step writes the configured sites of every row to one output.
+"""Activation capture: the step returns the configured sites of every row.
 
 Owns the device half of `Capture` (jaxllm/research/requests.py). At each configured
-(site, layer) the forward's value [T, D] is recorded as traced; the step returns them
-stacked, [T, K, D] in the compute dtype (K points, `ResearchConfig.capture_points` order),
-for every row whatever it asked: no per-row table and no branch, so a step whose requests
-capture nothing pays one [T, K, D] copy and the host never fetches it. At packing
+(site, layer) the forward's value is recorded as traced ([T, D] on the residual stream,
+[T, heads, head_dim] for q, k, v and z); the step returns them as one dict by name, in the
+compute dtype, for every row whatever it asked: no per-row table and no branch, so a step
+whose requests capture nothing pays one copy of those values and the host never fetches
+them. At packing
 (`prepare`) the host notes which rows of which capturing request it wants; at fetch it
 copies the buffer once and cuts it per request (`collect`). Never changes a value.
 
@@ -14,7 +15,6 @@ copies the buffer once and cuts it per request (`collect`). Never changes a valu
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.research.activations import ActivationChunk
@@ -58,15 +58,14 @@ class ActivationCapture(StepFeature):
         return x_TD
 
     def step_output(self, hooks):
-        return jnp.stack([hooks.recorded[(self.name, *point)] for point in self.points],
-                         axis=1)  # [T, K, D]
+        return {name: hooks.recorded[(self.name, *point)]
+                for name, point in zip(self.names, self.points)}  # name -> [T, ...]
 
     def collect(self, record, value) -> dict[str, ActivationChunk]:
-        value_TKD = np.asarray(value)
         out = {}
         for req_id, rows, positions, selection in record:
             out[req_id] = ActivationChunk(
                 positions.astype(np.int32),
-                {name: value_TKD[rows, self.names.index(name)].astype(np.float32)
+                {name: np.asarray(value[name])[rows].astype(np.float32)
                  for name in selection.names})
         return out
