@@ -292,14 +292,14 @@ class ModelRunner:
                                  activations=self._collect_features(host, out))
 
     def _collect_features(self, host: HostStep, out: StepOutput) -> dict:
-        """req_id -> what a feature gives it from this step; a feature's output is copied
-        from the device only when the step's packing noted rows to fetch."""
+        """req_id -> what a feature gives it from this step; a feature sees its (device)
+        output only when the step's packing noted something to fetch, and copies what it
+        needs."""
         collected = {}
         for feature in self.features:
             record = host.feature_records.get(feature.name)
             if record is not None:
-                collected.update(feature.collect(record,
-                                                 jax.device_get(out.features[feature.name])))
+                collected.update(feature.collect(record, out.features[feature.name]))
         return collected
 
     def _prompt_logprobs(self, host: HostStep, out: StepOutput

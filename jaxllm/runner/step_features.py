@@ -14,7 +14,9 @@ features through one traced step. A feature is one object with three parts (STYL
                                      at a named point of the forward (the residual stream's
                                      sites, jaxllm/research/requests.py); returns x_TD
               step_output(hooks)     an extra output of the step (None: none)
-    host      collect(record, value) req_id -> what the request gets from this step
+    host      collect(record, value) req_id -> what the request gets from this step (value:
+                                     the step_output, still on the device: a feature copies
+                                     only what its record asks for)
 
     static    the constructor's arguments: fixed per engine, so the buckets do not multiply
 

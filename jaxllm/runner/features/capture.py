@@ -5,9 +5,9 @@ Owns the device half of `Capture` (jaxllm/research/requests.py). At each configu
 [T, heads, head_dim] for q, k, v and z); the step returns them as one dict by name, in the
 compute dtype, for every row whatever it asked: no per-row table and no branch, so a step
 whose requests capture nothing pays one copy of those values and the host never fetches
-them. At packing
-(`prepare`) the host notes which rows of which capturing request it wants; at fetch it
-copies the buffer once and cuts it per request (`collect`). Never changes a value.
+them. At packing (`prepare`) the host notes which rows of which capturing request it
+wants; at fetch it copies only the sites those requests asked for and cuts them per request
+(`collect`). Never changes a value.
 
     step rows      0..4 (A, prompt 0..4)   5 (B, decode at 7)   6..15 padding
     A captures "prompt": rows 0..4 -> positions 0..4;  B captures nothing: row 5 unread
@@ -15,6 +15,7 @@ copies the buffer once and cuts it per request (`collect`). Never changes a valu
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from jaxllm.research.activations import ActivationChunk
@@ -62,10 +63,14 @@ class ActivationCapture(StepFeature):
                 for name, point in zip(self.names, self.points)}  # name -> [T, ...]
 
     def collect(self, record, value) -> dict[str, ActivationChunk]:
+        """Copies the sites some request of the step asked for (each whole, [T, ...]: a
+        device-side cut would compile per row count), then cuts them per request."""
+        needed = sorted({name for *_, selection in record for name in selection.names})
+        host = jax.device_get({name: value[name] for name in needed})
         out = {}
         for req_id, rows, positions, selection in record:
             out[req_id] = ActivationChunk(
                 positions.astype(np.int32),
-                {name: np.asarray(value[name])[rows].astype(np.float32)
+                {name: np.asarray(host[name])[rows].astype(np.float32)
                  for name in selection.names})
         return out
