@@ -56,6 +56,9 @@ def main():
     tokens = {}
     for run in range(args.repeats + 1):
         for name, (llm, params) in configs.items():
+            # Every run computes its prompts: a capturing request never reads the prefix
+            # cache, and the others must not read what an earlier run of theirs left there.
+            llm.reset_prefix_cache()
             t0 = time.perf_counter()
             results = llm.generate(requests, params, use_tqdm=False)
             elapsed = time.perf_counter() - t0

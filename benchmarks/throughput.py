@@ -4,7 +4,8 @@ transformers and llama.cpp on the same token ids, in the same run.
 Workload (issue 8's): N prompts of random token ids (fixed seed), input and output lengths
 drawn uniformly from the given ranges, greedy, EOS ignored so every request produces exactly
 its length. Each system runs the whole workload `--repeats` times after its own warm-up
-(jaxllm and vLLM: `--warmup-runs` untimed runs of the whole workload, default 1); the
+(jaxllm and vLLM: `--warmup-runs` untimed runs of the whole workload, default 1, and
+the prefix cache emptied before each timed run, so no run reuses an earlier one's prompts); the
 medians are compared as output tok/s ratios, and the greedy tokens are compared with the peer
 of the same dtype (fraction of requests whose tokens are identical, and of tokens before the
 first difference). Every system runs in its own fresh process (vLLM in its own python), so
@@ -75,6 +76,7 @@ def run_jaxllm(args, prompts, outs, dtype):
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     times, results = [], None
     for _ in range(args.repeats):
+        llm.reset_prefix_cache()  # every run computes its prompts (vLLM's peer does the same)
         t0 = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)

@@ -165,6 +165,7 @@ def _child(work_path: str, result_path: str) -> None:
         llm.generate(prompts, params, use_tqdm=False)
     times, outputs = [], None
     for _ in range(work["repeats"]):
+        llm.reset_prefix_cache()  # every run computes its prompts, as jaxllm's do
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - t0)
