@@ -49,13 +49,13 @@ class LoadedCheckpoint:
 
 def load_for_engine(resolved: ResolvedModel, dtype, method, *, placement,
                     tokenizer: str | None = None, use_cache: bool = True,
-                    reader=None) -> LoadedCheckpoint:
+                    cache_states: bool = True, reader=None) -> LoadedCheckpoint:
     """The model on `placement`, its weights in `method`'s form. `use_cache`: read and write
-    the cache's converted GGUF copies and saved states."""
+    the cache's converted GGUF copies, and with `cache_states` its saved states."""
     if resolved.kind == "saved_state":
         return _restore(resolved.path, dtype, method, placement, tokenizer, "saved state")
     key = StateKey.of(dtype, placement.mesh.size, method)
-    use_states = use_cache and resolved.kind == "gguf"
+    use_states = use_cache and cache_states and resolved.kind == "gguf"
     cached = find_cached_state(resolved, key) if use_states else None
     if cached is not None:
         try:
