@@ -1,19 +1,17 @@
-"""`LLM()` of the default model (the embedded SmolLM2-135M Q4_1 GGUF), cold and warm: from the
-orbax saved state (models/state_cache.py), from the safetensors copy of the GGUF alone (what
-a warm start read before saved states), and with nothing cached.
+"""`LLM()` of the default model (the embedded SmolLM2-135M Q4_1 GGUF) cold, warm from the cache's
+safetensors copy of the GGUF, and warm from an orbax saved state of the same parameters
+(`LLM.save_sharded_state`, models/saved_state.py): the evidence for keeping the safetensors
+copy as the automatic cache.
 
-Each start is a fresh subprocess with its own JAXLLM_CACHE_DIR:
-  cold            an empty cache: parse and dequantize the GGUF, write its safetensors copy,
-                  pack, save the state; compile every bucket
-  cold, no state  the same without saving the state (the start before saved states)
-  warm safetensors  a cache the cold start filled, its saved states out of sight: the
-                  safetensors copy is read, cast, laid out and packed
-  warm orbax      the same cache, states in: the state is restored
-"no state" and "warm safetensors" hide the saved states from the engine in the child
-(checkpoint.find_cached_state finds nothing, checkpoint.save_state writes nothing), which is
-exactly the load path before them. Reported: `LLM()` wall time and the load inside it
-(checkpoint.load_for_engine: the checkpoint, the packing, the state saved or restored),
-medians over --repeats starts.
+Each start is a fresh subprocess with its own JAXLLM_CACHE_DIR, new for each repetition:
+  cold               an empty cache: parse and dequantize the GGUF, write its safetensors
+                     copy, pack; compile every bucket
+  warm safetensors   LLM() again: the copy is read, cast, laid out and packed
+  warm saved state   LLM(model=<saved>), saved by one more start from the same cache (its
+                     save timed): the state is restored, nothing else; the compiled steps
+                     are the same, so they come from the cache too
+Reported: `LLM()` wall time and the load inside it (checkpoint.load_for_engine: the
+checkpoint read and packed, or the state restored), medians over --repeats.
 
     python benchmarks/orbax_state.py --repeats 3
 """
@@ -33,11 +31,7 @@ from machine import machine_header  # benchmarks/machine.py
 _CHILD = r"""
 import json, sys, time
 import jaxllm.llm_engine as llm_engine
-import jaxllm.models.checkpoint as checkpoint
 from jaxllm import LLM
-if sys.argv[1] == "without_states":
-    checkpoint.find_cached_state = lambda resolved, key: None
-    checkpoint.save_state = lambda *args, **kwargs: None
 load = {}
 real = llm_engine.load_for_engine
 def timed(*args, **kwargs):
@@ -46,17 +40,21 @@ def timed(*args, **kwargs):
     load["s"], load["source"] = time.perf_counter() - t0, loaded.source
     return loaded
 llm_engine.load_for_engine = timed
+model, save_to = sys.argv[1] or None, sys.argv[2]
 t0 = time.perf_counter()
-llm = LLM(use_tqdm_on_load=False)
-print(json.dumps({"llm_s": time.perf_counter() - t0, "load_s": load["s"],
-                  "source": load["source"]}))
+llm = LLM(model, use_tqdm_on_load=False)
+row = {"llm_s": time.perf_counter() - t0, "load_s": load["s"], "source": load["source"]}
+if save_to:
+    t0 = time.perf_counter()
+    llm.save_sharded_state(save_to)
+    row["save_s"] = time.perf_counter() - t0
+print(json.dumps(row))
 """
 
 
-def start(cache: str, states: bool) -> dict:
+def start(cache: str, model: str = "", save_to: str = "") -> dict:
     env = {**os.environ, "JAXLLM_CACHE_DIR": cache}
-    out = subprocess.run([sys.executable, "-c", _CHILD,
-                          "with_states" if states else "without_states"],
+    out = subprocess.run([sys.executable, "-c", _CHILD, model, save_to],
                          env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
@@ -69,23 +67,25 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     print(machine_header(), flush=True)
-    runs: dict[str, list[dict]] = {"cold": [], "cold, no state": [], "warm safetensors": [],
-                                   "warm orbax": []}
+    runs: dict[str, list[dict]] = {"cold": [], "warm safetensors": [],
+                                   "warm saved state": []}
+    saves = []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as cache:
-            runs["cold"].append(start(cache, states=True))
-            runs["warm orbax"].append(start(cache, states=True))
-            runs["warm safetensors"].append(start(cache, states=False))
-        with tempfile.TemporaryDirectory() as cache:
-            runs["cold, no state"].append(start(cache, states=False))
+            saved = os.path.join(cache, "saved")
+            runs["cold"].append(start(cache))
+            runs["warm safetensors"].append(start(cache))
+            saves.append(start(cache, save_to=saved)["save_s"])
+            runs["warm saved state"].append(start(cache, model=saved))
     print(f"\nLLM() of the default model, medians of {args.repeats}")
-    print("start | loaded from | LLM() s | load s (checkpoint or state, packing, saving)")
+    print("start | loaded from | LLM() s | load s")
     print("--- | --- | --- | ---")
     for name, rows in runs.items():
         sources = sorted({r["source"] for r in rows})
         print(f"{name} | {', '.join(sources)} | "
               f"{statistics.median(r['llm_s'] for r in rows):.1f} | "
               f"{statistics.median(r['load_s'] for r in rows):.2f}")
+    print(f"save_sharded_state: {statistics.median(saves):.2f} s")
 
 
 if __name__ == "__main__":

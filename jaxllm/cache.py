@@ -3,8 +3,6 @@
     $JAXLLM_CACHE_DIR, else $XDG_CACHE_HOME/jaxllm, else ~/.cache/jaxllm
       xla/          JAX's persistent compilation cache (compiled steps)
       models/<key>/ GGUF checkpoints converted once to safetensors + tokenizer files
-      states/<key>/ their parameters as the engine runs them, per layout, saved with orbax
-                    (models/state_cache.py)
       auto_dtype.json  what dtype="auto" measured on this CPU (models/auto_dtype.py)
 
 Owns the paths and turning JAX's compilation cache on. Never decides what is cached or how

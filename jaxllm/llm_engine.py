@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -80,12 +79,6 @@ def release_free_heap() -> None:
         pass
 
 
-@functools.cache
-def _log_no_cached_state(processes: int) -> None:
-    logger.info("the GGUF's parameters are not cached as a saved state across %d processes "
-                "(each holds a part of them); every start reads its converted copy", processes)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, use_tqdm: bool = True, *,
                  request_ids: RequestIds | None = None, data_parallel_rank: int = 0,
@@ -120,8 +113,7 @@ class LLMEngine:
                                         devices=replica_devices(config, data_parallel_rank)))
         loaded = load_for_engine(
             resolved, dtype, linear_method, placement=placement, tokenizer=config.tokenizer,
-            use_cache=cache_dir is not None, cache_states=self._cache_states(resolved),
-            reader=reader)
+            use_cache=cache_dir is not None, reader=reader)
         model, mcfg, gen = loaded.model, loaded.model_config, loaded.generation_config
         self.tokenizer, self.generation_config = loaded.tokenizer, gen
         self.resolved_model, self.dtype = resolved, dtype
@@ -239,16 +231,6 @@ class LLMEngine:
         sizing = size_from_profile(config, memory, per_block, steps)
         logger.info("%s; profiled in %.1f s", sizing.describe(), time.perf_counter() - t0)
         return sizing
-
-    @staticmethod
-    def _cache_states(resolved) -> bool:
-        """Whether a GGUF's saved state is cached: by one process only (each would hold a
-        part of every sharded parameter, and nodes need not share a file system)."""
-        if jax.process_count() == 1:
-            return True
-        if resolved.kind == "gguf":
-            _log_no_cached_state(jax.process_count())
-        return False
 
     def save_sharded_state(self, path: str) -> None:
         """Save the parameters as they are now (edits included), with the config and the

@@ -1,15 +1,12 @@
 """Resolved checkpoint -> (model, ModelConfig, generation config, tokenizer), the one load path.
 
 Owns the order. For the engine (`load_for_engine`), whose parameters go through a linear
-method's process_weights_after_loading: a saved state (models/saved_state.py: a directory
-`LLM.save_sharded_state` wrote, or the cache's entry for this GGUF and layout,
-models/state_cache.py) is restored as is; otherwise the checkpoint is loaded as below and
-processed, and a GGUF's state saved to the cache for the next start. A cache entry that cannot be restored
-is reported in a warning naming it, and the checkpoint is loaded instead; a directory the
-user named is not bypassed that way (its error is the user's to see). Below that
-(`load_checkpoint`): a GGUF converted earlier (models/gguf_cache.py) loads like an HF directory,
-in a fraction of the time; a GGUF seen for the first time is parsed once (weights and
-tokenizer share the parse) and converted on the way; an HF directory loads as is. The
+method's process_weights_after_loading: a saved state (models/saved_state.py, a directory
+`LLM.save_sharded_state` wrote) is restored as is; a checkpoint is loaded as below, then
+processed. Below that (`load_checkpoint`): a GGUF converted earlier (models/gguf_cache.py)
+loads like an HF directory, in a fraction of the time; a GGUF seen for the first time is
+parsed once (weights and tokenizer share the parse) and converted on the way; an HF
+directory loads as is. The
 config alone can be read first (dtype="auto" on a CPU is timed at the model's shapes), and
 a GGUF parsed for it is parsed once. Never decides the dtype or the placement: the engine
 passes them.
@@ -18,22 +15,17 @@ passes them.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.gguf import gguf_to_hf_config, load_gguf, open_gguf
 from jaxllm.models.gguf_cache import ConvertedWriter, find_converted
 from jaxllm.models.resolve import ResolvedModel
-from jaxllm.models.saved_state import StateKey, restore_state, save_state
-from jaxllm.models.state_cache import find_cached_state, state_cache_dir
+from jaxllm.models.saved_state import restore_state
 from jaxllm.models.weights import load_hf_dir, read_json, read_model_config
 from jaxllm.tokenizer import get_tokenizer, saved_tokenizer, tokenizer_from_gguf
-
-logger = logging.getLogger(__name__)
 
 CONVERTED_DTYPES = (jnp.bfloat16, jnp.float32)  # what dtype="auto" may pick on a CPU
 
@@ -44,44 +36,31 @@ class LoadedCheckpoint:
     model_config: ModelConfig  # the checkpoint's (the model's own is its layout's)
     generation_config: dict
     tokenizer: object          # the one to serve with
-    source: str                # "checkpoint", "saved state" or "cached state"
+    source: str                # "checkpoint" or "saved state"
 
 
 def load_for_engine(resolved: ResolvedModel, dtype, method, *, placement,
                     tokenizer: str | None = None, use_cache: bool = True,
-                    cache_states: bool = True, reader=None) -> LoadedCheckpoint:
+                    reader=None) -> LoadedCheckpoint:
     """The model on `placement`, its weights in `method`'s form. `use_cache`: read and write
-    the cache's converted GGUF copies, and with `cache_states` its saved states."""
+    the cache's converted GGUF copies."""
     if resolved.kind == "saved_state":
-        return _restore(resolved.path, dtype, method, placement, tokenizer, "saved state")
-    key = StateKey.of(dtype, placement.mesh.size, method)
-    use_states = use_cache and cache_states and resolved.kind == "gguf"
-    cached = find_cached_state(resolved, key) if use_states else None
-    if cached is not None:
-        try:
-            return _restore(cached, dtype, method, placement, tokenizer, "cached state")
-        except ValueError as e:
-            logger.warning("%s; loading %s from its checkpoint instead (delete %s to have it "
-                           "saved again)", e, resolved.name, cached)
+        return _restore(resolved.path, dtype, method, placement, tokenizer)
     model, cfg, gen, tok = load_checkpoint(resolved, dtype, placement=placement,
                                            tokenizer=tokenizer, use_cache=use_cache,
                                            reader=reader)
     model.process_weights_after_loading(method)
-    if use_states and cached is None:
-        own_tok = tok if tokenizer is None else tokenizer_from_gguf(resolved.path)
-        save_state(state_cache_dir(resolved, key), nnx.state(model), key,
-                   checkpoint_hf_config(resolved, dtype), gen, own_tok, exist_ok=True)
     return LoadedCheckpoint(model, cfg, gen, tok, "checkpoint")
 
 
-def _restore(directory: str, dtype, method, placement, tokenizer: str | None,
-             source: str) -> LoadedCheckpoint:
+def _restore(directory: str, dtype, method, placement,
+             tokenizer: str | None) -> LoadedCheckpoint:
     cfg = read_model_config(directory)
     model = restore_state(directory, cfg, dtype, placement, method)
     gen_path = os.path.join(directory, "generation_config.json")
     gen = read_json(gen_path) if os.path.exists(gen_path) else {}
     tok = get_tokenizer(tokenizer) if tokenizer else saved_tokenizer(directory)
-    return LoadedCheckpoint(model, cfg, gen, tok, source)
+    return LoadedCheckpoint(model, cfg, gen, tok, "saved state")
 
 
 def checkpoint_hf_config(resolved: ResolvedModel, dtype) -> dict:
