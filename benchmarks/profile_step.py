@@ -264,18 +264,20 @@ def reported_max_length(max_len):
     the bytes measurement needs only the block-table width of a 32k context (W = 2048), its
     contexts stay under 100 tokens, where the model is what it always is (RoPE angles are
     computed per position, there is no table to outgrow)."""
-    real = llm_engine.load_checkpoint
+    real = llm_engine.load_for_engine
 
     def load(*args, **kwargs):
-        model, cfg, gen, tokenizer = real(*args, **kwargs)
+        loaded = real(*args, **kwargs)
+        cfg = loaded.model_config
         longer = max(max_len, cfg.max_position_embeddings)
-        return model, dataclasses.replace(cfg, max_position_embeddings=longer), gen, tokenizer
+        return dataclasses.replace(
+            loaded, model_config=dataclasses.replace(cfg, max_position_embeddings=longer))
 
-    llm_engine.load_checkpoint = load
+    llm_engine.load_for_engine = load
     try:
         yield
     finally:
-        llm_engine.load_checkpoint = real
+        llm_engine.load_for_engine = real
 
 
 def bytes_per_step(model, dtype, steps, num_seqs=256, max_model_len=32768):

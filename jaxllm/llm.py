@@ -61,6 +61,14 @@ class LLM:
     def get_metrics(self):
         return self.llm_engine.get_metrics()
 
+    def save_sharded_state(self, path: str) -> None:
+        """Save the model's parameters as they are now, edits included, to the new directory
+        `path` (orbax, each device its own shard, with the config and the tokenizer);
+        `LLM(model=path)` and `jaxllm serve path` serve it. The state is the engine's own
+        form: it is served with the same dtype, tensor_parallel_size and linear backend
+        (the defaults pick them up from the directory; another value is a ValueError)."""
+        self.llm_engine.save_sharded_state(path)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()

@@ -34,10 +34,12 @@ from jaxllm.engine.stat_logger import LoggingStatLogger
 from jaxllm.kernels.backends import select_backend
 from jaxllm.kernels.linear_methods import select_linear_method
 from jaxllm.metrics import EngineMetrics
-from jaxllm.models.dtype import resolve_dtype
 from jaxllm.models.auto_dtype import (AutoDtypeVerdict, GemmShapes, auto_dtype_verdict,
                                       log_once, verdict_cache_path)
-from jaxllm.models.checkpoint import load_checkpoint, read_checkpoint_config
+from jaxllm.models.checkpoint import (checkpoint_hf_config, load_for_engine,
+                                      read_checkpoint_config)
+from jaxllm.models.dtype import DTYPES, resolve_dtype
+from jaxllm.models.saved_state import StateKey, read_key, save_state
 from jaxllm.models.resolve import DEFAULT_MODEL, resolve_model
 from jaxllm.models.sharding import Placement, make_mesh
 from jaxllm.outputs import RequestOutput
@@ -98,20 +100,27 @@ class LLMEngine:
         enable_compilation_cache(cache_dir)
         accel = _on_accelerator()
         resolved = resolve_model(config.model or DEFAULT_MODEL, gguf_file=config.gguf_file)
-        dtype, reader = self._resolve_dtype(config, resolved, use_cache=cache_dir is not None)
+        saved = read_key(resolved.path) if resolved.kind == "saved_state" else None
+        if saved is not None and config.dtype == "auto":  # a saved state's dtype is its own
+            dtype, reader = DTYPES[saved.dtype], None
+        else:
+            dtype, reader = self._resolve_dtype(config, resolved, use_cache=cache_dir is not None)
         # Chosen before loading: a backend that cannot run here fails at once.
         backend = select_backend(config.attention_backend)
-        linear_method = select_linear_method(config.linear_backend, dtype,
-                                             tensor_parallel_size=config.tensor_parallel_size)
+        linear_method = select_linear_method(
+            config.linear_backend or (saved.linear_method if saved else None), dtype,
+            tensor_parallel_size=config.tensor_parallel_size)
         t0 = time.perf_counter()
         placement = Placement(make_mesh(config.tensor_parallel_size,
                                         devices=replica_devices(config, data_parallel_rank)))
-        model, mcfg, gen, self.tokenizer = load_checkpoint(
-            resolved, dtype, placement=placement,
-            tokenizer=config.tokenizer, use_cache=cache_dir is not None, reader=reader)
-        model.process_weights_after_loading(linear_method)
-        logger.info("loaded %s from %s in %.1f s", resolved.name, resolved.path,
-                    time.perf_counter() - t0)
+        loaded = load_for_engine(
+            resolved, dtype, linear_method, placement=placement, tokenizer=config.tokenizer,
+            use_cache=cache_dir is not None, reader=reader)
+        model, mcfg, gen = loaded.model, loaded.model_config, loaded.generation_config
+        self.tokenizer, self.generation_config = loaded.tokenizer, gen
+        self.resolved_model, self.dtype = resolved, dtype
+        logger.info("loaded %s from %s (%s) in %.1f s", resolved.name, resolved.path,
+                    loaded.source, time.perf_counter() - t0)
         replication = placement.layout(mcfg).describe_replication()
         if replication:
             logger.warning(replication)
@@ -234,6 +243,19 @@ class LLMEngine:
         sizing = size_from_profile(config, memory, per_block, steps)
         logger.info("%s; profiled in %.1f s", sizing.describe(), time.perf_counter() - t0)
         return sizing
+
+    def save_sharded_state(self, path: str) -> None:
+        """Save the parameters as they are now (edits included), with the config and the
+        tokenizer, to the new directory `path`, which `LLM(model=path)` then serves
+        (models/saved_state.py): each device writes its own shard."""
+        if jax.process_count() > 1:
+            raise ValueError("save_sharded_state saves from a single-process engine; this one "
+                             f"runs in {jax.process_count()} processes")
+        runner = self.model_runner
+        key = StateKey.of(self.dtype, self.config.tensor_parallel_size, runner.linear_method)
+        save_state(path, runner.state, key,
+                   checkpoint_hf_config(self.resolved_model, self.dtype),
+                   self.generation_config, self.tokenizer)
 
     # The pieces, by their vLLM names.
     @property

@@ -48,8 +48,9 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="Start the OpenAI-compatible server",
                            argument_default=argparse.SUPPRESS)
-    serve.add_argument("model_tag", nargs="?", help="HF dir, hub id or .gguf (default: the "
-                                                   "embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("model_tag", nargs="?",
+                       help="HF dir, hub id, .gguf, or a directory LLM.save_sharded_state "
+                            "wrote (default: the embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--config", help="a YAML file of flag: value pairs")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)

@@ -37,6 +37,7 @@ from jaxllm.models.dtype import cpu_flags
 
 TARGET = "jaxllm_cpu_gemm"
 PANEL = 32
+PACK_VERSION = 1  # bump when `pack` changes: saved states of packed weights key on it
 _LIB_STEM = "_cpu_gemm"
 _ISA_AVX512F, _ISA_AVX512_BF16 = 1, 2
 

@@ -53,6 +53,11 @@ class LinearMethod:
         `logits` read."""
         return table_VD
 
+    def weight_format(self, dtype) -> str:
+        """Names the form process_weights_after_loading leaves `dtype` weights in: a saved
+        state (models/saved_state.py) is restored only where this matches."""
+        return "as loaded"
+
     def apply(self, layer, x_TK):
         return layer(x_TK)
 
@@ -95,6 +100,10 @@ class CpuGemmLinearMethod(LinearMethod):
     def process_embedding(self, table_VD):
         from jaxllm.kernels import cpu_gemm
         return _jitted(lambda t: cpu_gemm.pack(t.T))(table_VD)
+
+    def weight_format(self, dtype) -> str:
+        from jaxllm.kernels import cpu_gemm
+        return f"cpu_gemm panels of {cpu_gemm.PANEL} columns, v{cpu_gemm.PACK_VERSION}"
 
     def apply(self, layer, x_TK):
         from jaxllm.kernels import cpu_gemm

