@@ -43,6 +43,7 @@ import shutil
 import tempfile
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -162,6 +163,29 @@ def abstract_state(cfg: ModelConfig, dtype, placement: Placement, method: Linear
     return graphdef, nnx.from_flat_state(flat)
 
 
+class StateMismatch(ValueError):
+    """A saved state whose arrays do not fit the model its config.json describes."""
+
+
+def _check_fits(directory: str, saved, target) -> None:
+    """StateMismatch unless the saved tree has the target's paths, shapes and dtypes."""
+    def name(path) -> str:  # orbax's metadata keys a list's items by "0", the model by 0
+        return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+    flat_saved = {name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(saved)}
+    wrong = []
+    for path, want in jax.tree_util.tree_leaves_with_path(target):
+        got = flat_saved.get(name(path))
+        if got is None:
+            wrong.append(f"{jax.tree_util.keystr(path)}: not saved")
+        elif (tuple(got.shape), np.dtype(got.dtype)) != (want.shape, np.dtype(want.dtype)):
+            wrong.append(f"{jax.tree_util.keystr(path)}: saved {np.dtype(got.dtype)}"
+                         f"{list(got.shape)}, model {np.dtype(want.dtype)}{list(want.shape)}")
+    if wrong or len(flat_saved) != len(jax.tree.leaves(target)):
+        raise StateMismatch(f"the state saved in {directory} does not fit its config.json: "
+                            + ("; ".join(wrong) or "it holds other arrays"))
+
+
 def restore_state(directory: str, cfg: ModelConfig, dtype, placement: Placement,
                   method: LinearMethod):
     """The model saved in `directory`, placed on `placement`'s mesh. ValueError when its key
@@ -175,24 +199,22 @@ def restore_state(directory: str, cfg: ModelConfig, dtype, placement: Placement,
                          f"only be served as it was saved")
     graphdef, state = abstract_state(cfg, dtype, placement, method)
     target = nnx.to_pure_dict(state)
+    path = os.path.join(directory, STATE_DIR)
     try:
         with _orbax() as ocp, _checkpointer(ocp) as checkpointer:
+            # Shapes first, from the metadata: an orbax restore that fails half-way leaves
+            # its asyncio tasks to die later, in whatever runs next.
+            saved = checkpointer.metadata(path).item_metadata.tree
+            _check_fits(directory, saved, target)
             restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding),
                                         target)
             restored = checkpointer.restore(
-                os.path.join(directory, STATE_DIR),
-                args=ocp.args.PyTreeRestore(target, restore_args=restore_args))
+                path, args=ocp.args.PyTreeRestore(target, restore_args=restore_args))
         jax.block_until_ready(restored)
+    except StateMismatch:
+        raise
     except Exception as e:  # orbax and tensorstore raise many types for a damaged state
         raise ValueError(f"the state saved in {directory} cannot be restored "
                          f"({type(e).__name__}: {e})") from e
-    wrong = [f"{jax.tree_util.keystr(path)}: saved {got.dtype}{list(got.shape)}, model "
-             f"{want.dtype}{list(want.shape)}"
-             for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(restored),
-                                          jax.tree.leaves(target))
-             if (got.shape, got.dtype) != (want.shape, want.dtype)]
-    if wrong:
-        raise ValueError(f"the state saved in {directory} does not fit its config.json: "
-                         + "; ".join(wrong))
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)

@@ -124,5 +124,7 @@ def test_a_state_that_does_not_fit_its_config_is_refused(original, tmp_path):
         config = json.load(f)
     with open(os.path.join(saved, "config.json"), "w") as f:
         json.dump({**config, "intermediate_size": config["intermediate_size"] // 2}, f)
-    with pytest.raises(ValueError, match=f"the state saved in {saved} "):
+    with pytest.raises(ValueError, match=f"the state saved in {saved} does not fit its "
+                                         r"config.json: .*\['mlp'\]\['down_proj'\]\['kernel'\]: "
+                                         r"saved float32\[[0-9, ]+\], model float32\["):
         LLM(saved, **SMALL)
