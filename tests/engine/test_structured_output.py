@@ -160,3 +160,50 @@ def test_refused_token_fails_the_request_and_frees_its_blocks(manager, tokenizer
     assert (failed.req_id, failed.finish_reason) == ("c", "error")
     assert list(sched.requests) == ["plain"]
     assert sched.kv_cache_manager.get_block_ids("c") == []
+
+
+class FakeRunner:
+    """Samples the first token a row's bitmask allows (7 for plain rows); records steps."""
+
+    def __init__(self):
+        self.dispatched = []
+
+    def dispatch(self, so):
+        if so.is_empty:
+            return None
+        self.dispatched.append(so)
+        return so
+
+    def fetch(self, so):
+        if so is None:
+            return ModelRunnerOutput([], [])
+        masks = dict(zip(so.structured_output_request_ids,
+                         so.grammar_bitmask if so.grammar_bitmask is not None else []))
+        req_ids = list(so.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids, [[int(allowed(masks[r])[0])] if r in masks else [7]
+                                           for r in req_ids])
+
+    def execute_model(self, so):
+        return self.fetch(self.dispatch(so))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_engine_core_samples_constrained_rows_every_step(manager, tokenizer, async_scheduling):
+    from jaxllm.engine.core import EngineCore
+    sched = make_scheduler(manager)
+    runner = FakeRunner()
+    core = EngineCore(sched, runner, async_scheduling=async_scheduling)
+    add(sched, "c", choice("hello world"))
+    add(sched, "plain")
+    sched.requests["c"].structured_output_request.future.result()
+    tokens = {"c": [], "plain": []}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens[out.req_id] += out.new_token_ids
+    forced = tokenizer.encode("hello world", add_special_tokens=False)
+    assert tokens["c"] == forced + [tokenizer.eos_token_id]
+    assert tokens["plain"] == [7] * 8
+    # Every step that ran "c" sampled it under its mask: never skipped, never a stale mask.
+    with_c = [so for so in runner.dispatched if "c" in so.num_scheduled_tokens]
+    assert len(with_c) == len(forced) + 1
+    assert all(so.structured_output_request_ids == ["c"] for so in with_c)
