@@ -40,6 +40,12 @@ async scheduling the next step is scheduled first, and its placeholder row is fe
 device from the previous step's sample. A request whose placeholders already reach its
 max_tokens or max_model_len is not scheduled again: its last token is in flight.
 
+Structured outputs (engine/structured_output.py): a waiting request whose grammar still
+compiles is stepped over (vLLM's WAITING_FOR_FSM); a constrained request is not scheduled
+while a token of its is in flight; the constrained requests that sample this step get their
+bitmask rows in the SchedulerOutput, and their matchers take the tokens in
+`update_from_output` (a refused token fails the request).
+
 One request's failure is its own (engine/request_failures.py): if scheduling or updating it
 raises, it alone finishes with an error and the step goes on without it.
 """
