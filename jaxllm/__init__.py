@@ -5,7 +5,8 @@ from jaxllm.platform import set_default_platform
 set_default_platform()  # before anything imports jax: CPU on a machine with no NVIDIA GPU
 
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from jaxllm.sampling_params import (RequestOutputKind, SamplingParams,  # noqa: E402
+                                    StructuredOutputsParams)
 
 # These pull in jax and the models: import them on first use so `import jaxllm` stays light.
 _LAZY = {
@@ -27,5 +28,5 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "SamplingParams",
-           "BeamSearchParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
+           "StructuredOutputsParams", "BeamSearchParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -20,6 +20,7 @@ from jaxllm.kernels import ATTENTION_BACKENDS, LINEAR_BACKENDS
 from jaxllm.research.requests import ResearchConfig
 from jaxllm.sampling_params import LOGPROBS_MODES
 from jaxllm.scheduling_policy import SCHEDULING_POLICIES
+from jaxllm.structured_outputs import StructuredOutputsConfig
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 29
 CPU_DEFAULT_MAX_MODEL_LEN = 2048
@@ -80,8 +81,21 @@ class EngineConfig:
     # What the compiled step can capture and steer (jaxllm.research.ResearchConfig, or its
     # fields as a dict); None: nothing, the step is the plain one.
     research: ResearchConfig | None = None
+    # Which backend compiles grammars and fills their token masks (a StructuredOutputsConfig
+    # or a dict of its fields, e.g. {"backend": "guidance"}; None: the default, "auto").
+    structured_outputs_config: StructuredOutputsConfig | None = None
 
     def __post_init__(self) -> None:
+        so = self.structured_outputs_config
+        if so is None or isinstance(so, dict):
+            if isinstance(so, dict) and set(so) - {"backend"}:
+                raise ValueError(f"structured_outputs_config accepts the key 'backend', got "
+                                 f"{sorted(set(so) - {'backend'})}")
+            object.__setattr__(self, "structured_outputs_config",
+                               StructuredOutputsConfig(**(so or {})))
+        if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
+            raise ValueError("structured_outputs_config must be a StructuredOutputsConfig, a "
+                             f"dict of its fields or None, got {type(so).__name__}")
         if isinstance(self.research, dict):
             object.__setattr__(self, "research", ResearchConfig(**self.research))
         if self.research is not None and not isinstance(self.research, ResearchConfig):

@@ -31,6 +31,7 @@ from jaxllm.engine.request import RequestStatus
 from jaxllm.engine.request_ids import RequestIds
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.stat_logger import LoggingStatLogger
+from jaxllm.engine.structured_output import StructuredOutputManager
 from jaxllm.kernels.backends import select_backend
 from jaxllm.kernels.linear_methods import select_linear_method
 from jaxllm.metrics import EngineMetrics
@@ -167,7 +168,8 @@ class LLMEngine:
                                                          num_slots=config.max_num_seqs,
                                                          hidden_size=mcfg.hidden_size,
                                                          num_heads=mcfg.num_attention_heads,
-                                                         head_dim=mcfg.head_dim))
+                                                         head_dim=mcfg.head_dim,
+                                                         vocab_size=mcfg.vocab_size))
         del model
         # The figures behind num_blocks on an accelerator (None where the config or the CPU
         # default decides). Each process reads its own devices.
@@ -183,7 +185,10 @@ class LLMEngine:
                                           enable_caching=config.enable_prefix_caching)
         scheduler = Scheduler(kv_cache_manager, config.max_num_seqs,
                               config.max_num_batched_tokens, config.max_model_len,
-                              policy=config.scheduling_policy)
+                              policy=config.scheduling_policy,
+                              structured_output_manager=StructuredOutputManager(
+                                  config.structured_outputs_config, self.tokenizer,
+                                  mcfg.vocab_size))
         self.model_runner = runner
         self.engine_core = EngineCore(scheduler, self.process_group.executor(runner),
                                       config.async_scheduling)

@@ -79,6 +79,11 @@ class SchedulerOutput:
     # (source, destination) block ids to copy on the device before this step runs: cached
     # tails continued by new requests (kv_cache_manager.get_cached_tail).
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Structured outputs: the requests that sample this step under a grammar, and row i of
+    # grammar_bitmask [k, ceil(V / 32)] int32 (bit v % 32 of word v // 32) is the tokens
+    # request i may sample; None when no request is constrained.
+    structured_output_request_ids: list[str] = dataclasses.field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

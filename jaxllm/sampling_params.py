@@ -11,6 +11,7 @@ import dataclasses
 import enum
 from typing import Any
 
+from jaxllm.structured_outputs import StructuredOutputsParams
 from jaxllm.unicode_text import check_text
 from jaxllm.value_ranges import (FLOAT32_MAX, FLOAT32_MIN_POSITIVE, INT32_MAX, INT64_MAX,
                                  INT64_MIN, Range)
@@ -111,6 +112,9 @@ class SamplingParams:
     # vLLM's field for arguments its own sampler does not read; jaxllm reads "capture" and
     # "steer" (jaxllm.research: activation capture and steering) and ignores other keys.
     extra_args: dict[str, Any] | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's field; a dict
+    # of StructuredOutputsParams' fields is accepted too).
+    structured_outputs: StructuredOutputsParams | None = None
     # bad_words as token sequences, filled by the processor at admission (it owns the
     # tokenizer); None until then.
     _bad_words_token_ids: list[list[int]] | None = dataclasses.field(
@@ -151,6 +155,8 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     def _verify_args(self) -> None:
         """Types first (a float where an int is meant, a bool or a string where a number is
@@ -212,6 +218,12 @@ class SamplingParams:
                                  f"{self.allowed_token_ids!r:.80}.")
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids is not None and empty!")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, a dict of "
+                             f"its fields or None, got {type(self.structured_outputs).__name__}.")
+        if self.structured_outputs is not None:
+            self.structured_outputs.__post_init__()  # again: its fields may have changed
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError("output_kind must be a RequestOutputKind, got "
                              f"{self.output_kind!r}.")

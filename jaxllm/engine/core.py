@@ -14,6 +14,16 @@ processing overlap the device. Placeholder tokens are fed on the device (runner/
     call k:    schedule N+1 | dispatch N+1 | fetch N (wait) | update from N -> outputs of N
     device:    ....... N ........ | ........ N+1 ........
 
+Structured outputs under async scheduling: a constrained request's bitmask for step N+1 is
+the grammar's state after step N's token, which the host does not have yet. So before
+scheduling, a step in flight that sampled for a constrained request is folded back first
+(`_constrained_in_flight`): steps with constrained rows run as in the synchronous loop (the
+device idles while the host schedules and fills masks), every other step stays async. The
+scheduler also never schedules a constrained request with a token in flight.
+
+    unconstrained only:  schedule N+1 | dispatch N+1 | fetch N
+    constrained in N:    fetch N | schedule N+1 (masks) | dispatch N+1
+
 A step that raises fails the requests it carried, not the engine: they finish with
 finish_reason "error", their blocks are freed, and the exception reaches the caller with the
 failed request ids attached. Everything else keeps running. A request whose own scheduling or
@@ -86,23 +96,44 @@ class EngineCore:
         return self.scheduler.take_failed_outputs() + outputs
 
     def _step_sync(self) -> list[EngineCoreOutput]:
-        so = self.scheduler.schedule()
+        so = self._schedule()
         try:
             runner_output = self.runner.execute_model(so)
         except Exception as e:
             raise self._fail(so, e) from e
         return self.scheduler.update_from_output(so, runner_output)
 
-    def _step_async(self) -> list[EngineCoreOutput]:
+    def _schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
+        if so.is_empty and not self._in_flight:
+            # Nothing runs but grammars compiling: wait for one rather than spin.
+            compiling = self.scheduler.requests_waiting_for_fsm()
+            if compiling:
+                self.scheduler.structured_output_manager.wait_for_any(compiling, 0.05)
+        return so
+
+    def _constrained_in_flight(self) -> bool:
+        live = self.scheduler.requests
+        return any(r in live for so, _ in self._in_flight
+                   for r in so.structured_output_request_ids)
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        outputs = []
+        while self._constrained_in_flight():  # their next masks need these tokens
+            outputs += self._fetch_oldest()
+        so = self._schedule()
         try:
             pending = self.runner.dispatch(so)
         except Exception as e:
             raise self._fail(so, e) from e
         if pending is not None:
             self._in_flight.append((so, pending))
-        if not self._in_flight or (pending is not None and len(self._in_flight) < 2):
-            return []  # keep one step in flight; nothing is due yet
+        if outputs or not self._in_flight or (pending is not None
+                                              and len(self._in_flight) < 2):
+            return outputs  # keep one step in flight; nothing more is due yet
+        return self._fetch_oldest()
+
+    def _fetch_oldest(self) -> list[EngineCoreOutput]:
         so, pending = self._in_flight.popleft()
         try:
             runner_output = self.runner.fetch(pending)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxllm.engine.request_ids import child_request_ids
+from jaxllm.engine.structured_output import check_grammar
 from jaxllm.messages import EngineCoreRequest
 from jaxllm.research.requests import ResearchLimits
 from jaxllm.sampling_limits import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, banned_until_min_tokens,
@@ -339,6 +340,8 @@ class Processor:
                 raise ValueError(f"{name} must be in [0, {self.vocab_size}), got {bad[0]}")
         banned_until_min_tokens(params, self.eos_token_ids)  # raises past the sampler's width
         self.research.check(params)
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)  # a bad schema fails here, alone
         if params.bad_words:
             params._bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         return params

@@ -116,6 +116,9 @@ class Request:
         # Chained hashes of the full blocks whose tokens are all known; grown by
         # `update_block_hashes`, only while prefix caching is on.
         self.block_hashes: list[BlockHash] = []
+        # Its grammar and matcher (engine/structured_output.py) when it has
+        # structured_outputs; None otherwise, and once it finished.
+        self.structured_output_request = None
         self._num_prompt_tokens = len(prompt_token_ids)
         self._all_token_ids: list[int] = list(prompt_token_ids)
 

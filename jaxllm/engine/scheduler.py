@@ -40,6 +40,12 @@ async scheduling the next step is scheduled first, and its placeholder row is fe
 device from the previous step's sample. A request whose placeholders already reach its
 max_tokens or max_model_len is not scheduled again: its last token is in flight.
 
+Structured outputs (engine/structured_output.py): a waiting request whose grammar still
+compiles is stepped over (vLLM's WAITING_FOR_FSM); a constrained request is not scheduled
+while a token of its is in flight; the constrained requests that sample this step get their
+bitmask rows in the SchedulerOutput, and their matchers take the tokens in
+`update_from_output` (a refused token fails the request).
+
 One request's failure is its own (engine/request_failures.py): if scheduling or updating it
 raises, it alone finishes with an error and the step goes on without it.
 """
@@ -54,6 +60,7 @@ from jaxllm.engine.request import Request, RequestStatus, check_stop
 from jaxllm.engine.request_failures import FAILED, RequestFailures
 from jaxllm.engine.request_queue import create_request_queue
 from jaxllm.engine.scheduler_invariants import check_invariants
+from jaxllm.engine.structured_output import StructuredOutputManager
 from jaxllm.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -71,6 +78,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "fcfs",
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -81,6 +89,8 @@ class Scheduler:
             raise ValueError(f"max_model_len={max_model_len} exceeds the KV cache manager's "
                              f"max_model_len={kv_cache_manager.max_model_len}")
         self.kv_cache_manager = kv_cache_manager
+        # Grammars and their bitmasks (engine/structured_output.py); None: refused.
+        self.structured_output_manager = structured_output_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -120,6 +130,12 @@ class Scheduler:
         self.requests[request.request_id] = request
         request.arrival_order = self._num_added
         self._num_added += 1
+        constraint = getattr(request.sampling_params, "structured_outputs", None)
+        if constraint is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured_outputs needs an engine with structured outputs")
+            request.structured_output_request = \
+                self.structured_output_manager.grammar_init(constraint)
         self.kv_cache_manager.update_block_hashes(request)  # the prompt's full blocks
         self.waiting.add_request(request)
 
@@ -227,10 +243,19 @@ class Scheduler:
             req_index += 1
 
         # 2. Waiting requests, in the policy's order. Skipped after a preemption: blocks are
-        #    short, and the preempted requests would only be preempted again.
+        #    short, and the preempted requests would only be preempted again. A request
+        #    whose grammar still compiles (vLLM's WAITING_FOR_FSM) is stepped over, and
+        #    keeps its place.
+        waiting_for_fsm: list[Request] = []
         while (not preempted and self.waiting and token_budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek_request()
+            ready = self.failures.guard(request, self._grammar_ready, request)
+            if ready is FAILED:
+                continue  # its grammar failed to compile: it has left `waiting`
+            if not ready:
+                waiting_for_fsm.append(self.waiting.pop_request())
+                continue
             planned = self.failures.guard(request, self._plan_waiting, request, token_budget)
             if planned is FAILED:
                 continue  # it has left `waiting`
@@ -245,29 +270,41 @@ class Scheduler:
             scheduled_new.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+        for request in reversed(waiting_for_fsm):
+            self.waiting.prepend_request(request)
+        # The messages carry the counts from before this step's tokens.
+        new_reqs = [self._new_request_data(r) for r in scheduled_new]
+        cached_reqs = [CachedRequestData(r.request_id, new_block_ids[r.request_id],
+                                         r.num_computed_tokens) for r in scheduled_running]
 
-        output = SchedulerOutput(
-            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
-            scheduled_cached_reqs=[
-                CachedRequestData(r.request_id, new_block_ids[r.request_id],
-                                  r.num_computed_tokens)
-                for r in scheduled_running],
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted} | self._preempted_req_ids,
-            blocks_to_copy=self.kv_cache_manager.blocks_to_copy,
-        )
-        self.kv_cache_manager.blocks_to_copy = []
-        self._preempted_req_ids = set()
         # Advance now, as if the step already ran: the next schedule() must not hand out the
         # same positions again, even before update_from_output. A request whose known (and
         # in-flight) tokens are now all computed samples in this step: one more placeholder.
+        constrained: list[Request] = []
         for req_id, num_tokens in num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
+                if request.structured_output_request is not None:
+                    constrained.append(request)
+        grammar_bitmask = None
+        if constrained:  # the tokens each grammar allows at the position sampled
+            grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [r.structured_output_request for r in constrained])
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted} | self._preempted_req_ids,
+            blocks_to_copy=self.kv_cache_manager.blocks_to_copy,
+            structured_output_request_ids=[r.request_id for r in constrained],
+            grammar_bitmask=grammar_bitmask,
+        )
+        self.kv_cache_manager.blocks_to_copy = []
+        self._preempted_req_ids = set()
         self.finished_req_ids = set()
         check_invariants(self, output)
         self.last_scheduler_output = output
@@ -313,6 +350,9 @@ class Scheduler:
             f"{request}: tokens sampled before its prefill completed")
         # One placeholder per sampling step, however many tokens that step produced.
         request.num_output_placeholders -= 1 if sampled else 0
+        if request.structured_output_request is not None:  # a refused token: it fails
+            self.structured_output_manager.accept_tokens(request.structured_output_request,
+                                                         sampled)
         new_token_ids = self._append_until_stop(request, sampled)
         prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
         activations = model_runner_output.activations.get(req_id)
@@ -373,6 +413,8 @@ class Scheduler:
         if num_computed_tokens is None:
             num_computed_tokens = request.num_computed_tokens
         num_tokens = request.num_tokens_with_placeholders
+        if request.num_output_placeholders and request.structured_output_request is not None:
+            return 0  # its next bitmask needs the token in flight (engine/core.py)
         if request.num_output_placeholders and (
                 num_tokens >= self.max_model_len
                 or request.num_output_tokens + request.num_output_placeholders
@@ -380,6 +422,18 @@ class Scheduler:
             return 0  # the token in flight is its last
         return min(num_tokens - num_computed_tokens, token_budget,
                    self.max_model_len - num_computed_tokens)
+
+    @staticmethod
+    def _grammar_ready(request: Request) -> bool:
+        """May it run: no grammar, or its grammar has compiled (raises if that failed)."""
+        grammar = request.structured_output_request
+        return grammar is None or grammar.is_ready()
+
+    def requests_waiting_for_fsm(self) -> list:
+        """The grammars still compiling for waiting requests."""
+        return [r.structured_output_request for r in self.waiting
+                if r.structured_output_request is not None
+                and r.structured_output_request.matcher is None]
 
     def _preempt(self, request: Request) -> None:
         # Recompute, not swap: drop the K/V, keep the tokens (prompt and generated), and
@@ -434,4 +488,5 @@ class Scheduler:
             cache_tail=request.status in (RequestStatus.FINISHED_STOPPED,
                                           RequestStatus.FINISHED_LENGTH_CAPPED))
         self.finished_req_ids.add(request.request_id)
+        request.structured_output_request = None  # its matcher goes with it
         del self.requests[request.request_id]

@@ -2,7 +2,8 @@
 stream (jaxllm/runner/step_features.py owns the features themselves).
 
 Owns `StepHooks`, the trace-time object a model calls at each point: `hooks.at(site, layer,
-x_TD) -> x_TD` (sites: jaxllm/research/requests.py). It holds the features of one traced
+x_TD) -> x_TD` (sites: jaxllm/research/requests.py; and "logits", the step's [S, V]
+logits of the sequences that sample, before the sampler). It holds the features of one traced
 step, the per-slot tables they read, each row's slot, and what they record for the step's
 outputs. `NO_HOOKS` (no features) is the identity: a model traced with it compiles to the
 program it would be without hooks. Never knows what a feature does.
@@ -17,15 +18,17 @@ import jax
 
 class StepHooks:
     """One traced step's features (each with transform(site, layer, x_TD, hooks) and
-    step_output(hooks)), its per-slot tables (`rows`, name -> [R + 1, ...]), each row's
-    slot (`slot_T`, R for padding, which reads the fill row R), and what features record
-    while the forward is traced (`recorded`)."""
+    step_output(hooks)), its per-slot tables (`rows`, name -> [R + 1, ...]), each token
+    row's slot (`slot_T`, R for padding, which reads the fill row R), each sequence's slot
+    (`slot_S`, for the points with one row per sequence: "logits" [S, V]), and what
+    features record while the forward is traced (`recorded`)."""
 
     def __init__(self, features: tuple = (), rows: dict[str, jax.Array] | None = None,
-                 slot_T: jax.Array | None = None):
+                 slot_T: jax.Array | None = None, slot_S: jax.Array | None = None):
         self.features = tuple(features)
         self.rows = rows or {}
         self.slot_T = slot_T
+        self.slot_S = slot_S
         self.recorded: dict[Any, jax.Array] = {}
 
     def at(self, site: str, layer: int | None, x_TD: jax.Array) -> jax.Array:

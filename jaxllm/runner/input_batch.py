@@ -192,6 +192,8 @@ class InputBatch:
             slot = self.req_id_to_slot[cached.req_id]
             self._append_blocks(slot, cached.new_block_ids)
             self.num_computed_tokens[slot] = cached.num_computed_tokens
+        for feature in self.features:
+            feature.update_states(so, self.req_id_to_slot)
 
     # ---- one step ------------------------------------------------------------------------
 

@@ -8,11 +8,15 @@ features through one traced step. A feature is one object with three parts (STYL
                                      owns: written by add_request when a request joins its
                                      slot, sent as diffs, read in the step by slot
               add_request(slot, p)   write this request's rows (the checked SamplingParams)
+              update_states(so, slot_of)
+                                     each step, after joins: write rows from the step's
+                                     SchedulerOutput (e.g. this step's grammar bitmasks)
               prepare(step)          at packing: what the host must remember of this step
                                      (None: nothing to fetch)
     device    transform(site, layer, x_TD, hooks)
                                      at a named point of the forward (the residual stream's
-                                     sites, jaxllm/research/requests.py); returns x_TD
+                                     sites, jaxllm/research/requests.py; "logits" [S, V]
+                                     before sampling, rows by hooks.slot_S); returns x_TD
               step_output(hooks)     an extra output of the step (None: none)
     host      collect(record, value) req_id -> what the request gets from this step (value:
                                      the step_output, still on the device: a feature copies
@@ -46,6 +50,9 @@ class StepFeature:
         return {}
 
     def add_request(self, slot: int, params) -> None:
+        pass
+
+    def update_states(self, so, slot_of: dict[str, int]) -> None:
         pass
 
     def prepare(self, step) -> Any:

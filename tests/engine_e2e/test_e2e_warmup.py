@@ -18,7 +18,7 @@ import time
 import pytest
 from jax import monitoring
 
-from jaxllm import SamplingParams
+from jaxllm import SamplingParams, StructuredOutputsParams
 
 COMPILE_EVENT_PREFIX = "/jax/core/compile/"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -58,13 +58,13 @@ def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
     assert runner.step_fns.num_compiles == 5
     # Beside the steps: the block copy and the history row upload, and one program per
     # upload bucket of the per-slot device rows: block tables (4), bad words (16, 64, 256,
-    # 512), allowed-token bits (1, 2, 4 rows).
-    assert runner.num_compiles == 5 + 2 + 1 + 4 + 3
+    # 512), allowed-token bits (1, 2, 4 rows), grammar bitmasks (1, 2, 4 rows).
+    assert runner.num_compiles == 5 + 2 + 1 + 4 + 3 + 3
     compiled = runner.num_compiles
     long_prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 5)["input_ids"]
     assert 32 < len(long_prompt) < 64  # chunked prefill under the 32-token budget
     prompts = ["Hi", {"prompt_token_ids": long_prompt}, "x y z", "Once upon a time", "A",
-               "The capital of France is", "Hello"]
+               "The capital of France is", "Hello", "JSON:", "Pick:"]
     params = [
         SamplingParams(temperature=0.0, max_tokens=20),
         SamplingParams(temperature=1.0, seed=3, max_tokens=6),
@@ -76,10 +76,17 @@ def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
         SamplingParams(n=2, temperature=0.9, min_p=0.05, max_tokens=7),
         SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[11, 500, 4000],
                        bad_words=["the", "hello world"]),
+        # Grammar bitmasks (structured outputs): uploads and the masked step are warm too.
+        SamplingParams(temperature=1.0, seed=5, max_tokens=12, structured_outputs=(
+            StructuredOutputsParams(json={"type": "object", "properties": {
+                "a": {"type": "integer"}}, "required": ["a"]}))),
+        SamplingParams(n=3, temperature=1.0, max_tokens=8, structured_outputs=(
+            StructuredOutputsParams(choice=["red", "green", "blue"]))),
     ]
     with jax_compile_events() as events:
         outputs = warm_llm.generate(prompts, params, use_tqdm=False)
-    assert [len(o.outputs) for o in outputs] == [1, 1, 1, 1, 1, 2, 1]
+    assert [len(o.outputs) for o in outputs] == [1, 1, 1, 1, 1, 2, 1, 1, 3]
+    assert all(c.text in ("red", "green", "blue") for c in outputs[-1].outputs)
     assert runner.num_compiles == compiled
     assert not events, f"JAX compiled while serving: {dict(events)}"
 

@@ -5,16 +5,21 @@ from __future__ import annotations
 from jaxllm.research.requests import ResearchConfig
 from jaxllm.runner.features.ablation import HeadAblationFeature
 from jaxllm.runner.features.capture import ActivationCapture
+from jaxllm.runner.features.grammar import GrammarBitmask
 from jaxllm.runner.features.steering import Steering
 from jaxllm.runner.step_features import StepFeature
 
 
 def make_step_features(research: ResearchConfig | None, *, num_slots: int, hidden_size: int,
-                       num_heads: int = 0, head_dim: int = 0) -> tuple[StepFeature, ...]:
+                       num_heads: int = 0, head_dim: int = 0, vocab_size: int = 0
+                       ) -> tuple[StepFeature, ...]:
     """The features of an engine, in the order they apply at a shared point: ablation and
-    steering first, so that a capture sees the values the model goes on with."""
+    steering first, so that a capture sees the values the model goes on with. vocab_size
+    > 0: grammar bitmasks on the logits (structured outputs)."""
     research = research or ResearchConfig()
     features: list[StepFeature] = []
+    if vocab_size:
+        features.append(GrammarBitmask(num_slots, vocab_size))
     if research.ablate_layers:
         features.append(HeadAblationFeature(research.ablate_layers, num_slots, num_heads,
                                             head_dim))
