@@ -51,7 +51,8 @@ def test_capture_equals_hf_on_every_layer(research_llm, hf_smollm2):
     computed = prompt_ids + completion.token_ids[:-1]
     np.testing.assert_array_equal(acts.positions, np.arange(len(computed)))
     ref = hf_sites(hf_smollm2, computed)
-    assert set(acts.keys()) == set(ref)
+    assert len(acts.keys()) == NUM_LAYERS * len(SITES) + 1  # + final_norm
+    ref = {name: ref[name] for name in acts.keys()}  # HF's hooks also give v and z
     worst = {name: float(np.abs(acts[name] - ref[name]).max()) for name in ref}
     print("\nmax abs error per site kind:",
           {site: max(v for k, v in worst.items() if k.endswith(site))
