@@ -212,8 +212,9 @@ class ResearchLimits:
                                  f"layers), got {bad[0]}")
 
     def check(self, params) -> None:
-        """Check and normalise params.extra_args' "capture" and "steer" (params is the
-        request's own copy); the checked forms are kept under "_capture" and "_steer"."""
+        """Check and normalise params.extra_args' "capture", "steer" and "ablate" (params
+        is the request's own copy); the checked forms are kept under "_capture", "_steer"
+        and "_ablate"."""
         extra = getattr(params, "extra_args", None)
         if extra is None:
             return
@@ -221,25 +222,20 @@ class ResearchLimits:
             raise ValueError(f"extra_args must be a dict, got {type(extra).__name__}")
         if "capture" in extra:
             extra["_capture"] = self._capture(extra["capture"])
-        if "steer" in extra:
-            steers = extra["steer"]
-            steers = [steers] if isinstance(steers, (Steer, dict)) else list(steers)
-            checked = [self._steer(s) for s in steers]
-            layers = [s.layer for s in checked]
-            if len(set(layers)) != len(layers):
-                raise ValueError(f"extra_args['steer'] has two steers of layer "
-                                 f"{max(layers, key=layers.count)}; give one per layer")
-            extra["_steer"] = tuple(checked)
-        if "ablate" in extra:
-            ablations = extra["ablate"]
-            ablations = ([ablations] if isinstance(ablations, (Ablate, dict))
-                         else list(ablations))
-            checked = [self._ablate(a) for a in ablations]
-            layers = [a.layer for a in checked]
-            if len(set(layers)) != len(layers):
-                raise ValueError(f"extra_args['ablate'] has two ablations of layer "
-                                 f"{max(layers, key=layers.count)}; give one per layer")
-            extra["_ablate"] = tuple(checked)
+        for key, check in (("steer", self._steer), ("ablate", self._ablate)):
+            if key in extra:
+                extra[f"_{key}"] = self._one_per_layer(key, extra[key], check)
+
+    @staticmethod
+    def _one_per_layer(key: str, value, check) -> tuple:
+        """A Steer/Ablate or a list of them, checked; at most one per layer."""
+        items = [value] if isinstance(value, (Steer, Ablate, dict)) else list(value)
+        checked = tuple(check(item) for item in items)
+        layers = [item.layer for item in checked]
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"extra_args['{key}'] has two entries for layer "
+                             f"{max(layers, key=layers.count)}; give one per layer")
+        return checked
 
     def _capture(self, capture) -> CaptureSelection:
         if isinstance(capture, dict):
@@ -274,19 +270,24 @@ class ResearchLimits:
                                  f"{min(positions)}")
         return CaptureSelection(names, positions)
 
-    def _steer(self, steer) -> SteerVector:
-        if isinstance(steer, dict):
-            steer = Steer(**steer)
-        if not isinstance(steer, Steer):
-            raise ValueError(f"extra_args['steer'] must be a jaxllm.research.Steer (or a "
-                             f"list of them), got {type(steer).__name__}")
-        layers = self.config.steer_layers
+    def _layer_request(self, value, key: str, cls, verb: str):
+        """A Steer or Ablate (or a dict of its fields) whose layer the engine can act on."""
+        if isinstance(value, dict):
+            value = cls(**value)
+        if not isinstance(value, cls):
+            raise ValueError(f"extra_args['{key}'] must be a jaxllm.research.{cls.__name__} "
+                             f"(or a list of them), got {type(value).__name__}")
+        layers = getattr(self.config, f"{key}_layers")
         if not layers:
-            raise ValueError("extra_args['steer'] needs an engine that steers: start it with "
-                             "LLM(research=ResearchConfig(steer_layers=...))")
-        if steer.layer not in layers:
-            raise ValueError(f"extra_args['steer'].layer must be among the engine's "
-                             f"steer_layers {list(layers)}, got {steer.layer!r}")
+            raise ValueError(f"extra_args['{key}'] needs an engine that {verb}: start it "
+                             f"with LLM(research=ResearchConfig({key}_layers=...))")
+        if value.layer not in layers:
+            raise ValueError(f"extra_args['{key}'].layer must be among the engine's "
+                             f"{key}_layers {list(layers)}, got {value.layer!r}")
+        return value
+
+    def _steer(self, steer) -> SteerVector:
+        steer = self._layer_request(steer, "steer", Steer, "steers")
         vector = np.asarray(steer.vector, np.float32)
         if vector.shape != (self.hidden_size,):
             raise ValueError(f"extra_args['steer'].vector must have shape "
@@ -299,18 +300,7 @@ class ResearchLimits:
         return SteerVector(steer.layer, delta, ("steer", steer.layer, digest))
 
     def _ablate(self, ablate) -> HeadAblation:
-        if isinstance(ablate, dict):
-            ablate = Ablate(**ablate)
-        if not isinstance(ablate, Ablate):
-            raise ValueError(f"extra_args['ablate'] must be a jaxllm.research.Ablate (or a "
-                             f"list of them), got {type(ablate).__name__}")
-        layers = self.config.ablate_layers
-        if not layers:
-            raise ValueError("extra_args['ablate'] needs an engine that ablates: start it "
-                             "with LLM(research=ResearchConfig(ablate_layers=...))")
-        if ablate.layer not in layers:
-            raise ValueError(f"extra_args['ablate'].layer must be among the engine's "
-                             f"ablate_layers {list(layers)}, got {ablate.layer!r}")
+        ablate = self._layer_request(ablate, "ablate", Ablate, "ablates")
         heads = _int_tuple(ablate.heads, "extra_args['ablate'].heads")
         N, H = self.num_heads, self.head_dim
         bad = [h for h in heads if not 0 <= h < N]

@@ -206,7 +206,8 @@ def test_mixed_research_requests_compile_nothing_after_warmup(make_tiny_llm):
     ({"steer": Steer(0, np.zeros(3))}, r"extra_args\['steer'\]\.vector must have shape "
                                        r"\(64,\)"),
     ({"steer": Steer(0, np.full(HIDDEN, np.inf))}, r"must be finite"),
-    ({"steer": [Steer(0, np.zeros(HIDDEN)), Steer(0, np.ones(HIDDEN))]}, r"two steers"),
+    ({"steer": [Steer(0, np.zeros(HIDDEN)), Steer(0, np.ones(HIDDEN))]},
+     r"extra_args\['steer'\] has two entries for layer 0"),
     ({"capture": "all"}, r"must be a jaxllm.research.Capture"),
     ({"ablate": Ablate(1, (0,))}, r"extra_args\['ablate'\]\.layer must be among the "
                                   r"engine's ablate_layers \[0\], got 1"),
