@@ -160,6 +160,8 @@ def test_response_format_and_structured_outputs(client, server):
      "tool_choice", "response_format and tool_choice each constrain the output"),
     ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice", "The tool specified in `tool_choice` ('x') does not match any"),
+    ("chat", {"tools": TOOLS, "tool_choice": {"function": {}}}, "tool_choice",
+     'tool_choice must be "none", "auto", "required" or {"type": "function", '),
     ("chat", {"tool_choice": "required"}, "tool_choice",
      "When using `tool_choice`, `tools` must be set."),
     ("chat", {"tools": TOOLS}, "tool_choice", '"auto" tool choice requires '

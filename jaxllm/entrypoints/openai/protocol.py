@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.structured_outputs import StructuredOutputsParams
@@ -192,6 +193,20 @@ class ChatCompletionRequest(_SamplingFields):
     # None: "auto" when tools are given, else "none" (OpenAI's and vLLM's default).
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam \
         | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_tool_choice(cls, value: Any) -> Any:
+        """One error naming `tool_choice` (not one per member of its union)."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict):
+            try:
+                return ChatCompletionNamedToolChoiceParam.model_validate(value)
+            except ValidationError:
+                pass
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": '
+                         f'"function", "function": {{"name": ...}}}}, got {value!r:.80}')
 
 
 class TokenizeRequest(_Body):
