@@ -112,6 +112,12 @@ def test_a_tool_call_cut_by_length_is_no_tool_call(client):
     choice = out.choices[0]
     assert choice.finish_reason == "length" and not choice.message.tool_calls
     assert choice.message.content and out.usage.completion_tokens == 3
+    # A stream cannot take back the deltas it sent: it says "length" at the end.
+    chunks = list(client.chat.completions.create(tool_choice=NAMED, stream=True,
+                                                 **{**SAMPLED, "n": 1, "max_tokens": 3}))
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert "".join(d.function.arguments for c in chunks
+                   for d in c.choices[0].delta.tool_calls or []) == choice.message.content
 
 
 def test_response_format_and_structured_outputs(client, server):

@@ -10,8 +10,9 @@ import re
 import pytest
 
 from jaxllm.entrypoints.openai.tool_calls import (NamedToolCallReader, RequiredToolCallReader,
-                                                  make_tool_call_id, tool_call_delta,
-                                                  tool_choice_message)
+                                                  make_tool_call_id, stream_choices,
+                                                  tool_call_delta, tool_choice_message)
+from jaxllm.outputs import CompletionOutput
 
 ARRAY = ('[ {"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "days": [1, {"a": 2}]}}'
          ' ,\n{"parameters" :{ "zone":"UTC" } , "name":"get_\\u0074ime"},'
@@ -103,6 +104,29 @@ def test_whole_outputs_are_tool_calls_only_when_complete_and_stopped():
     assert finish == "tool_calls"
     assert [(c["function"]["name"], c["function"]["arguments"])
             for c in message["tool_calls"]] == CALLS
+
+
+def test_stream_choices_of_each_output():
+    def output(text, finish=None, logprobs=None):
+        return CompletionOutput(1, text, [0], None, logprobs, finish, None)
+
+    reader = RequiredToolCallReader()
+    assert stream_choices(reader, output('[{"name": '), None) == []  # nothing to show yet
+    header, arguments = stream_choices(reader, output('"g", "parameters": {'), None)
+    assert header["index"] == 1 and header["delta"]["tool_calls"][0]["id"] is not None
+    assert arguments["delta"] == {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}
+    header_with_args = stream_choices(NamedToolCallReader("f"), output("{"), [{"x": 1}])
+    assert [c["logprobs"] for c in header_with_args] == [[{"x": 1}], None]
+    # No delta left but logprobs or a finish: one empty delta carries them.
+    assert stream_choices(reader, output("}", logprobs=[{"y": 2}]), [{"y": 2}]) == [
+        {"index": 1, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]},
+         "logprobs": [{"y": 2}], "finish_reason": None, "stop_reason": None}]
+    assert stream_choices(reader, output("}]", "stop"), None) == [
+        {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "tool_calls",
+         "stop_reason": None}]
+    cut = NamedToolCallReader("f")
+    *_, last = stream_choices(cut, output('{"a', "length"), None)
+    assert last["finish_reason"] == "length"
 
 
 def test_ids_and_delta_shapes():

@@ -39,7 +39,7 @@ from jaxllm.entrypoints.openai.logprobs_format import chat_logprobs, completion_
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxllm.entrypoints.openai.structured_request import (RequestConstraint, chat_constraint,
                                                           completion_constraint, errors_named)
-from jaxllm.entrypoints.openai.tool_calls import (finish_reason_of, tool_choice_message,
+from jaxllm.entrypoints.openai.tool_calls import (stream_choices, tool_choice_message,
                                                   tool_reader)
 from jaxllm.entrypoints.openai.template_sandbox import TemplateSandbox
 from jaxllm.outputs import RequestOutput
@@ -297,8 +297,8 @@ class OpenAIServing:
                     if not c.text and c.finish_reason is None and c.logprobs is None:
                         continue  # nothing visible yet (held back, or a partial character)
                     if readers is not None:
-                        for choice in _tool_call_choices(readers[c.index], c,
-                                                         chat_logprobs(c, k)):
+                        for choice in stream_choices(readers[c.index], c,
+                                                     chat_logprobs(c, k)):
                             yield chunk([choice])
                         continue
                     yield chunk([{"index": c.index, "delta": {"content": c.text},
@@ -308,24 +308,6 @@ class OpenAIServing:
                 prompt_tokens = len(out.prompt_token_ids)
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], _usage(prompt_tokens, completion_tokens))
-
-
-def _tool_call_choices(reader, c, logprobs) -> list[dict]:
-    """One streamed output read as tool calls -> the chunks' choices: a chunk per delta
-    (the logprobs on the first), the finish on the last (an empty delta if none is left);
-    none for text that is no part of a call's header or arguments."""
-    choices = [{"index": c.index, "delta": {"tool_calls": [d.as_dict()]}, "logprobs": None,
-                "finish_reason": None, "stop_reason": None} for d in reader.feed(c.text)]
-    if not choices:
-        if c.finish_reason is None and logprobs is None:
-            return []  # text between calls (`[{"name": `): nothing a client sees
-        choices = [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None,
-                    "stop_reason": None}]
-    choices[0]["logprobs"] = logprobs
-    if c.finish_reason is not None:
-        choices[-1].update(finish_reason=finish_reason_of(reader, c.finish_reason),
-                           stop_reason=c.stop_reason)
-    return choices
 
 
 async def _sse_body(chunks: AsyncIterator[str]) -> AsyncIterator[str]:

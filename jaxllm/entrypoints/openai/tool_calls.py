@@ -19,7 +19,9 @@ finish_reason is then "tool_calls". Cut by "length" (or by a stop string), it ke
 finish_reason and the non-streamed message carries the text as content, without tool calls
 (a truncated call is no call). A stream cannot take back the deltas it sent: its last chunk
 says "length". Never touches the engine and never decides what is constrained
-(structured_request.py does); the tool-call parsers of tool_choice="auto" reuse these shapes.
+(structured_request.py does). A reader is any object with `feed(text) -> [ToolCallDelta]`,
+`complete() -> bool` and `calls`: the tool-call parsers of tool_choice="auto" can plug theirs
+into `stream_choices` and `tool_choice_message`.
 """
 
 from __future__ import annotations
@@ -214,6 +216,25 @@ def finish_reason_of(reader, finish_reason: str | None) -> str | None:
     return finish_reason
 
 
+def stream_choices(reader, c, logprobs) -> list[dict]:
+    """One streamed output `c` (a CompletionOutput's delta) read as tool calls -> the
+    choices of the chunks it becomes: a chunk per delta
+    (the logprobs on the first), the finish on the last (an empty delta if none is left);
+    none for text that is no part of a call's header or arguments."""
+    choices = [{"index": c.index, "delta": {"tool_calls": [d.as_dict()]}, "logprobs": None,
+                "finish_reason": None, "stop_reason": None} for d in reader.feed(c.text)]
+    if not choices:
+        if c.finish_reason is None and logprobs is None:
+            return []  # text between calls (`[{"name": `): nothing a client sees
+        choices = [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None,
+                    "stop_reason": None}]
+    choices[0]["logprobs"] = logprobs
+    if c.finish_reason is not None:
+        choices[-1].update(finish_reason=finish_reason_of(reader, c.finish_reason),
+                           stop_reason=c.stop_reason)
+    return choices
+
+
 def tool_choice_message(reader, text: str, finish_reason: str | None
                         ) -> tuple[dict, str | None]:
     """A whole (non-streamed) output read by a fresh reader -> (message, finish_reason)."""
@@ -226,4 +247,4 @@ def tool_choice_message(reader, text: str, finish_reason: str | None
 
 __all__ = ["make_tool_call_id", "tool_call", "tool_call_delta", "tool_calls_message",
            "ToolCallDelta", "NamedToolCallReader", "RequiredToolCallReader", "tool_reader",
-           "finish_reason_of", "tool_choice_message"]
+           "finish_reason_of", "tool_choice_message", "stream_choices"]
