@@ -4,7 +4,8 @@ endpoints, tool_choice named and "required" streamed and not (every sampled outp
 tool call whose arguments validate against the tool's schema, and a stream's fragments
 concatenate to the non-streamed arguments of the same seed), every refused combination as
 a 400 naming its field, and a conversation with tool calls and tool results rendered by a
-request's template. One server for the module; few, short requests (the CI budget)."""
+request's template and by SmolLM2's own. One server for the module; few, short requests
+(the CI budget)."""
 
 from __future__ import annotations
 
@@ -210,3 +211,9 @@ def test_tool_choice_none_renders_tools_but_generates_text(client, server):
     tokens = httpx.post(server.url + "/tokenize", timeout=30,
                         json={"prompt": rendered, "add_special_tokens": False}).json()
     assert out.usage.prompt_tokens == tokens["count"]
+    # The server's own template (SmolLM2's, which shows no tools) takes the conversation too.
+    out = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS,
+                                         tool_choice="none", max_tokens=2, temperature=0)
+    tokens = httpx.post(server.url + "/tokenize", timeout=30,
+                        json={"messages": conversation}).json()
+    assert out.usage.prompt_tokens == tokens["count"] and out.choices[0].message.content

@@ -138,3 +138,18 @@ def test_tools_and_tool_calls_render_alike_in_the_sandbox_and_the_processor(sand
     with pytest.raises(ValueError, match="message 1: tool call arguments are not JSON"):
         chat_messages([TOOL_CHAT[0], {**TOOL_CHAT[1], "tool_calls": [
             {"function": {"name": "w", "arguments": "{oops"}}]}])
+
+
+def test_a_tool_conversation_renders_with_smollm2_s_own_template(tokenizer):
+    from jaxllm.engine.processor import Processor
+
+    processor = Processor(tokenizer, vocab_size=len(tokenizer), max_model_len=512,
+                          max_logprobs=20, eos_token_id=tokenizer.eos_token_id,
+                          extra_eos_ids=[], engine_seed=0)
+    prompt, = processor.render_chat(TOOL_CHAT, tools=TOOL_DEFS)
+    # SmolLM2's template renders no tools and no tool calls: the assistant's turn is its
+    # content, "" (vLLM's for None), and the tool's result is a turn of role "tool".
+    assert prompt.text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_end|>\n<|im_start|>tool\nrain<|im_end|>\n<|im_start|>assistant\n")
