@@ -1,17 +1,17 @@
 """Completions and chat completions: OpenAI request bodies -> engine streams -> OpenAI bodies.
 
 Owns the response shapes (non-streaming JSON, and SSE chunks ending in `data: [DONE]`), the
-choice indices of `n` and of several prompts, usage counts, both logprobs formats, the cap on
-prompts per request, and which chat template renders a conversation (with the request's
+choice indices of `n` and of several prompts, usage counts, both logprobs formats, the cap
+on prompts per request, and which chat template renders a conversation (with the request's
 tools): the server's own, or one the request brings (refused unless the server trusts them,
 and then rendered in a bounded sandbox process, template_sandbox.py). What a request
 constrains its output to is structured_request.py's; how a named or "required" tool_choice
-output reads back as tool calls, whole or streamed, is tool_calls.py's. Validates only what is the server's own: a
-chat's max_tokens named as the client sent it (max_completion_tokens or max_tokens), and
-vLLM's server rule that the prompt plus max_tokens must fit the context; every other range
-is SamplingParams' and the processor's (their ValueError is a 400). Never touches HTTP
-(api_server.py does), never tokenizes or renders on the event loop (AsyncLLM's input thread
-does), and never runs the engine loop.
+output reads back as tool calls, whole or streamed, is tool_calls.py's. Validates only what
+is the server's own: a chat's max_tokens named as the client sent it (max_completion_tokens
+or max_tokens), and vLLM's server rule that the prompt plus max_tokens must fit the context;
+every other range is SamplingParams' and the processor's (their ValueError is a 400). Never
+touches HTTP (api_server.py does), never tokenizes or renders on the event loop (AsyncLLM's
+input thread does), and never runs the engine loop.
 
 Every request is admitted (tokenized, checked, its ids reserved) before a response starts,
 so bad input is a 400 even for a stream. After that a stream always ends with

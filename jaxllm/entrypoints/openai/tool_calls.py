@@ -19,10 +19,12 @@ finish_reason is then "tool_calls", for a named choice too, streamed or not (vLL
 "tool_calls" when it streamed tool calls, but "stop" for a whole named one). Cut by "length"
 (or by a stop string), it keeps its finish_reason and the non-streamed message carries the
 text as content, without tool calls (a truncated call is no call). A stream cannot take back
-the deltas it sent: its last chunk says "length" (vLLM's says "tool_calls"). Never touches the engine and never decides what is constrained
-(structured_request.py does). A reader is any object with `feed(text) -> [ToolCallDelta]`,
-`complete() -> bool` and `calls`: the tool-call parsers of tool_choice="auto" can plug theirs
-into `stream_choices` and `tool_choice_message`.
+the deltas it sent: its last chunk says "length" (vLLM's says "tool_calls"). Never touches
+the engine and never decides what is constrained (structured_request.py does).
+
+A reader is any object with `feed(text) -> [ToolCallDelta]`, `complete() -> bool` and
+`calls`: the tool-call parsers of tool_choice="auto" can plug theirs into `stream_choices`
+and `tool_choice_message`.
 """
 
 from __future__ import annotations
