@@ -85,7 +85,8 @@ def _tool_call_arguments(message: dict, where: str) -> dict:
         elif isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except ValueError as e:
-                raise ValueError(f"{where}: tool call arguments are not JSON: {e}") from None
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+                raise ValueError(f"{where}: tool call arguments are not JSON: "
+                                 f"{type(e).__name__}: {e}") from None
         parsed.append({**call, "function": {**call["function"], "arguments": arguments}})
     return {**message, "tool_calls": parsed}

@@ -135,9 +135,10 @@ def test_tools_and_tool_calls_render_alike_in_the_sandbox_and_the_processor(sand
     prompt, = processor.render_chat(TOOL_CHAT, TOOL_TEMPLATE, add_generation_prompt=False,
                                     tools=TOOL_DEFS)
     assert prompt.text == expected
-    with pytest.raises(ValueError, match="message 1: tool call arguments are not JSON"):
-        chat_messages([TOOL_CHAT[0], {**TOOL_CHAT[1], "tool_calls": [
-            {"function": {"name": "w", "arguments": "{oops"}}]}])
+    for arguments in ["{oops", "[" * 100_000 + "]" * 100_000]:
+        with pytest.raises(ValueError, match="message 1: tool call arguments are not JSON"):
+            chat_messages([TOOL_CHAT[0], {**TOOL_CHAT[1], "tool_calls": [
+                {"function": {"name": "w", "arguments": arguments}}]}])
 
 
 def test_a_tool_conversation_renders_with_smollm2_s_own_template(tokenizer):

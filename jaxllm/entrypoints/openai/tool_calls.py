@@ -200,7 +200,7 @@ class RequiredToolCallReader:
 def _parses(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
         return False
     return True
 
