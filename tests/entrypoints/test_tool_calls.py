@@ -98,6 +98,9 @@ def test_whole_outputs_are_tool_calls_only_when_complete_and_stopped():
         {"role": "assistant", "content": '{"a": 1}'}, "length")
     assert tool_choice_message(NamedToolCallReader("f"), '{"a"', "stop") == (
         {"role": "assistant", "content": '{"a"'}, "stop")
+    deep = "[" * 100_000 + "]" * 100_000  # past Python's json recursion limit
+    assert tool_choice_message(NamedToolCallReader("f"), deep, "stop") == (
+        {"role": "assistant", "content": deep}, "stop")
     assert tool_choice_message(RequiredToolCallReader(), ARRAY[:-1], "stop") == (
         {"role": "assistant", "content": ARRAY[:-1]}, "stop")
     message, finish = tool_choice_message(RequiredToolCallReader(), ARRAY, "stop")
