@@ -105,6 +105,9 @@ def test_refusals_name_their_field():
         "structured_outputs and tool_choice each constrain")
     assert refusal("structured_outputs", structured_outputs={"nope": 1}).startswith(
         "structured_outputs has an unknown field")
+    assert refusal("structured_outputs", structured_outputs={
+        "json": "[" * 100_000 + "]" * 100_000}).startswith(
+        "structured_outputs.json is not valid JSON: RecursionError")
     assert refusal("structured_outputs", structured_outputs={}).startswith(
         "You must use one kind of structured outputs constraint")
 
