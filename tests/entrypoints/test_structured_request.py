@@ -126,3 +126,13 @@ def test_admission_errors_are_renamed_after_the_request_field():
         with errors_named(RequestConstraint(StructuredOutputsParams(json={}), "tools")):
             raise ParameterError("max_tokens=9 does not fit", "max_tokens")
     assert info.value.param == "max_tokens"
+
+
+def test_parameters_nested_too_deeply_are_a_400_naming_tools():
+    parameters = inner = {}
+    for _ in range(2000):
+        inner["properties"] = {"a": {}}
+        inner = inner["properties"]["a"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    assert refusal("tools", tools=tools, tool_choice="required") == \
+        "the tools' parameters nest too deeply"

@@ -154,3 +154,12 @@ def test_a_tool_conversation_renders_with_smollm2_s_own_template(tokenizer):
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
         "Face<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
         "<|im_end|>\n<|im_start|>tool\nrain<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_variables_nested_too_deeply_are_a_value_error(sandbox):
+    tools = inner = {}
+    for _ in range(2000):
+        inner["a"] = {}
+        inner = inner["a"]
+    with pytest.raises(ValueError, match="nest too deeply to send to its renderer"):
+        render(sandbox, "{{ tools }}", tools=[tools])

@@ -143,7 +143,11 @@ def _tool_choice(req: ChatCompletionRequest, enable_auto_tools: bool):
     if choice == "required":
         if not tools:  # vLLM: required over no tools is none
             return "none", None, None
-        return "required", None, StructuredOutputsParams(json=required_schema(tools))
+        try:
+            schema = required_schema(tools)
+        except RecursionError:  # copying them
+            raise ParameterError("the tools' parameters nest too deeply", "tools") from None
+        return "required", None, StructuredOutputsParams(json=schema)
     assert isinstance(choice, ChatCompletionNamedToolChoiceParam)
     name = choice.function.name
     tool = next((t for t in tools if t.function.name == name), None)

@@ -72,7 +72,11 @@ class TemplateSandbox:
         return text
 
     def _render(self, template: str, variables: dict) -> str:
-        request = json.dumps({"template": template, "variables": variables}) + "\n"
+        try:
+            request = json.dumps({"template": template, "variables": variables}) + "\n"
+        except RecursionError:  # a message or tool nested deeper than json can write
+            raise ValueError("the chat template's variables (messages, tools) nest too deeply "
+                             "to send to its renderer") from None
         with self._lock:
             proc = self._worker()
             try:
