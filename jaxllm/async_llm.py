@@ -218,12 +218,13 @@ class AsyncLLM:
     async def render_chat(self, messages, chat_template: str | None = None,
                           add_generation_prompt: bool = True,
                           continue_final_message: bool = False,
-                          chat_template_kwargs: dict[str, Any] | None = None) -> PromptInput:
+                          chat_template_kwargs: dict[str, Any] | None = None,
+                          tools: list[dict] | None = None) -> PromptInput:
         """One conversation rendered by a (trusted) chat template and tokenized, on the input
-        thread."""
+        thread. tools: OpenAI's tool definitions, the template's `tools`."""
         prompt, = await self.offload(
             self.engine.processor.render_chat, [messages], chat_template,
-            add_generation_prompt, continue_final_message, chat_template_kwargs)
+            add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
         return prompt
 
     async def chat(self, messages, sampling_params: SamplingParams | None = None,

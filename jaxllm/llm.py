@@ -109,11 +109,13 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+             chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+        tools: OpenAI's tool definitions, given to the chat template as `tools`."""
         prompts = self.llm_engine.processor.render_chat(
             messages, chat_template, add_generation_prompt, continue_final_message,
-            chat_template_kwargs)
+            chat_template_kwargs, tools)
         return self._run(prompts, broadcast_params(sampling_params, len(prompts)), use_tqdm)
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams],

@@ -82,8 +82,9 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 json_module.loads(self.json)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+                raise ValueError(f"structured_outputs.json is not valid JSON: "
+                                 f"{type(e).__name__}: {e}") from None
 
     @property
     def kind(self) -> str:

@@ -1,7 +1,8 @@
 """Input processing: what users pass -> validated, tokenized `EngineCoreRequest`s.
 
 Owns the prompt forms (a string, a {"prompt"} or {"prompt_token_ids"} dict, the older
-`prompt_token_ids=` keyword), chat templates and the checks on chat messages, every
+`prompt_token_ids=` keyword), chat templates (the messages they read are
+chat_messages.py's), every
 admission check (types and ranges, vocabulary, lengths, the engine's caps), and the `n`
 fan-out into child requests with their seeds. Shared by `LLM`, `LLMEngine` and the async
 front ends. Never schedules, never touches a device: everything it rejects is rejected
@@ -22,6 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jaxllm.engine.chat_messages import chat_messages
 from jaxllm.engine.request_ids import child_request_ids
 from jaxllm.engine.structured_output import check_grammar
 from jaxllm.messages import EngineCoreRequest
@@ -31,9 +33,6 @@ from jaxllm.sampling_limits import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, banned_u
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.unicode_text import check_json_text, check_text
 from jaxllm.value_ranges import ParameterError
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
 
 @dataclasses.dataclass(frozen=True)
 class PromptInput:
@@ -114,51 +113,6 @@ def broadcast_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
     return params
 
 
-def check_conversation(conversation: Any, index: int = 0) -> None:
-    """A chat is a list of {"role", "content"} dicts with a known role and text content (a
-    string, or OpenAI's list of {"type": "text", "text"} parts)."""
-    where = f"conversation {index}"
-    if not isinstance(conversation, (list, tuple)) or not conversation:
-        raise ValueError(f"{where} must be a non-empty list of messages, got "
-                         f"{type(conversation).__name__}")
-    for j, message in enumerate(conversation):
-        if not isinstance(message, dict):
-            raise ValueError(f"{where}, message {j} must be a dict with 'role' and 'content', "
-                             f"got {type(message).__name__}")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise ValueError(f"{where}, message {j}: role must be one of {CHAT_ROLES}, got "
-                             f"{role!r}")
-        content = message.get("content")
-        if role == "assistant" and content is None and message.get("tool_calls"):
-            continue
-        if isinstance(content, str):
-            continue
-        if isinstance(content, list) and all(
-                isinstance(part, dict) and part.get("type") == "text"
-                and isinstance(part.get("text"), str) for part in content):
-            continue
-        raise ValueError(f"{where}, message {j}: content must be a string or a list of "
-                         f"{{'type': 'text', 'text': str}} parts, got {content!r:.80}")
-    for j, message in enumerate(conversation):  # every field may reach the template
-        check_json_text(message, f"{where}, message {j}")
-
-
-def chat_messages(conversation: Any, index: int = 0) -> list[dict]:
-    """A checked conversation as chat templates read it: each content one string."""
-    check_conversation(conversation, index)
-    return [_text_content(m) for m in conversation]
-
-
-def _text_content(message: dict) -> dict:
-    """OpenAI's list of text parts joined into one string (as vLLM does for text models):
-    chat templates expect a string."""
-    content = message.get("content")
-    if isinstance(content, list):
-        return {**message, "content": "\n".join(part["text"] for part in content)}
-    return message
-
-
 def _as_list(value, name: str) -> list:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"{name} must be a list, got {type(value).__name__}")
@@ -213,9 +167,11 @@ class Processor:
 
     def render_chat(self, conversations, chat_template: str | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptInput]:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict] | None = None) -> list[PromptInput]:
         """One conversation (a list of messages) or a list of them -> prompts.
-        chat_template_kwargs: extra variables for the template (e.g. enable_thinking)."""
+        chat_template_kwargs: extra variables for the template (e.g. enable_thinking);
+        tools: OpenAI's tool definitions, the template's `tools`."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError("chat_template_kwargs must be a dict, got "
                              f"{type(chat_template_kwargs).__name__}")
@@ -234,7 +190,7 @@ class Processor:
         for i, conv in enumerate(conversations):
             try:
                 text = self.tokenizer.apply_chat_template(
-                    conv, chat_template=chat_template,
+                    conv, chat_template=chat_template, tools=tools,
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,

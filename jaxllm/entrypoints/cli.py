@@ -26,7 +26,8 @@ from jaxllm.config import EngineConfig
 
 SERVER_DEFAULTS = dict(host="0.0.0.0", port=8000, api_key=None, served_model_name=None,
                        chat_template=None, uvicorn_log_level="info", headless=False,
-                       trust_request_chat_template=False, max_completion_prompts=1024)
+                       trust_request_chat_template=False, max_completion_prompts=1024,
+                       enable_auto_tool_choice=False, tool_call_parser=None)
 
 
 def _flag_bool(s: str) -> bool:
@@ -62,6 +63,11 @@ def make_parser() -> argparse.ArgumentParser:
                                         "in a bounded sandbox process); refused otherwise")
     serve.add_argument("--max-completion-prompts", type=int,
                        help="the most prompts one /v1/completions request may hold (1024)")
+    serve.add_argument("--enable-auto-tool-choice", type=_flag_bool, nargs="?", const=True,
+                       help='tool_choice="auto": the model decides when to call tools (needs '
+                            "--tool-call-parser)")
+    serve.add_argument("--tool-call-parser",
+                       help='the parser that reads tool calls out of "auto" outputs')
     serve.add_argument("--uvicorn-log-level")
     serve.add_argument("--headless", action="store_true",
                        help="a follower node (--node-rank > 0): no API server, it replays the "
@@ -96,6 +102,8 @@ def resolve_args(argv: list[str]) -> tuple[dict, EngineConfig]:
     if server["headless"] and config.node_rank == 0:
         raise SystemExit("jaxllm serve: --headless is for the followers (--node-rank > 0); "
                          "node 0 serves the API")
+    if server["enable_auto_tool_choice"] and server["tool_call_parser"] is None:
+        raise SystemExit("jaxllm serve: --enable-auto-tool-choice needs --tool-call-parser")
     if config.node_rank > 0 and not server["headless"]:
         raise SystemExit(f"jaxllm serve: --node-rank {config.node_rank} serves no API; add "
                          "--headless")
@@ -138,7 +146,9 @@ def serve(argv: list[str]) -> None:
     app = build_app(engine, served_model_names=[name], api_key=server["api_key"],
                     chat_template=_chat_template(server["chat_template"]),
                     trust_request_chat_template=server["trust_request_chat_template"],
-                    max_completion_prompts=server["max_completion_prompts"])
+                    max_completion_prompts=server["max_completion_prompts"],
+                    enable_auto_tools=server["enable_auto_tool_choice"],
+                    tool_parser=server["tool_call_parser"])
     # What startup built (weights, compiled steps, tokenizer: a large heap that lives as
     # long as the server) leaves the collector's view: otherwise every oldest-generation
     # collection walks all of it, a pause of hundreds of milliseconds on the event loop

@@ -84,3 +84,12 @@ def test_hardening_flags():
         "trust_request_chat_template"] is False
     with pytest.raises(ValueError, match="max_n_sequences must be >= 1"):
         resolve_args(["--max-n-sequences", "0"])
+
+
+def test_auto_tool_choice_flags():
+    server, _ = resolve_args([])
+    assert (server["enable_auto_tool_choice"], server["tool_call_parser"]) == (False, None)
+    server, _ = resolve_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert (server["enable_auto_tool_choice"], server["tool_call_parser"]) == (True, "hermes")
+    with pytest.raises(SystemExit, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        resolve_args(["--enable-auto-tool-choice"])

@@ -92,6 +92,7 @@ def wrong_types(rng):
               "skip_special_tokens", "include_stop_str_in_output", "echo", "suffix",
               "messages", "prompt", "chat_template", "chat_template_kwargs", "tools",
               "response_format", "add_generation_prompt", "continue_final_message", "n",
+              "tool_choice", "structured_outputs",
               "temperature", "stop_token_ids", "logit_bias", "request_id"]
     field = rng.choice(fields)
     value = rng.choice(WRONG_TYPES)
@@ -143,6 +144,12 @@ TEMPLATES = [None, "{% for %}", "{{ raise_exception('no') }}", "{{ x.y.z }}", "{
              "{{ 1 / 0 }}", "{% if %}", "{{ messages[0]['content'] }}", "", "{{ '%c' % 55296 }}"]
 
 
+TOOL_CALLS = [[], {}, 5, [5], [{}], [{"function": 5}], [{"function": {"name": "f"}}],
+              [{"function": {"name": "f", "arguments": "{oops"}}],
+              [{"function": {"name": "f", "arguments": '{"a": 1}'}}],
+              [{"function": {"name": 5, "arguments": [1]}}]]
+
+
 def messages(rng):
     conversation = []
     for _ in range(rng.randrange(0, 4)):
@@ -152,6 +159,8 @@ def messages(rng):
         message = {"role": rng.choice(ROLES), "content": rng.choice(CONTENTS)}
         if rng.random() < 0.2:
             message.pop(rng.choice(["role", "content"]))
+        if rng.random() < 0.2:
+            message["tool_calls"] = rng.choice(TOOL_CALLS)
         conversation.append(message)
     body = {**CHAT, "messages": conversation,
             "add_generation_prompt": rng.random() < 0.7,

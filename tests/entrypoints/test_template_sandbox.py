@@ -106,3 +106,60 @@ def test_a_render_past_its_time_limit_kills_the_worker_and_the_next_one_works():
         assert render(sandbox, "{{ messages[1].content }}") == "Hi"
     finally:
         sandbox.close()
+
+
+TOOL_TEMPLATE = ("{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                 "{% for c in m.tool_calls or [] %}[{{ c.function.name }} "
+                 "{{ c.function.arguments|tojson }}]{% endfor %}{{ m.tool_call_id or '' }}|"
+                 "{% endfor %}{% for t in tools or [] %}{{ t.function|tojson }}{% endfor %}")
+TOOL_CHAT = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function",
+                  "function": {"name": "w", "arguments": '{"city": "Oslo"}'}},
+                 {"id": "c2", "type": "function", "function": {"name": "n", "arguments": ""}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+TOOL_DEFS = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
+
+
+def test_tools_and_tool_calls_render_alike_in_the_sandbox_and_the_processor(sandbox,
+                                                                             tokenizer):
+    from jaxllm.engine.chat_messages import chat_messages
+    from jaxllm.engine.processor import Processor
+
+    expected = ('user:Weather?|assistant:[w {"city": "Oslo"}][n {}]|tool:rainc1|'
+                '{"name": "w", "parameters": {"type": "object"}}')
+    assert render(sandbox, TOOL_TEMPLATE, chat_messages(TOOL_CHAT), tools=TOOL_DEFS) == expected
+    processor = Processor(tokenizer, vocab_size=len(tokenizer), max_model_len=512,
+                          max_logprobs=20, eos_token_id=tokenizer.eos_token_id,
+                          extra_eos_ids=[], engine_seed=0)
+    prompt, = processor.render_chat(TOOL_CHAT, TOOL_TEMPLATE, add_generation_prompt=False,
+                                    tools=TOOL_DEFS)
+    assert prompt.text == expected
+    for arguments in ["{oops", "[" * 100_000 + "]" * 100_000]:
+        with pytest.raises(ValueError, match="message 1: tool call arguments are not JSON"):
+            chat_messages([TOOL_CHAT[0], {**TOOL_CHAT[1], "tool_calls": [
+                {"function": {"name": "w", "arguments": arguments}}]}])
+
+
+def test_a_tool_conversation_renders_with_smollm2_s_own_template(tokenizer):
+    from jaxllm.engine.processor import Processor
+
+    processor = Processor(tokenizer, vocab_size=len(tokenizer), max_model_len=512,
+                          max_logprobs=20, eos_token_id=tokenizer.eos_token_id,
+                          extra_eos_ids=[], engine_seed=0)
+    prompt, = processor.render_chat(TOOL_CHAT, tools=TOOL_DEFS)
+    # SmolLM2's template renders no tools and no tool calls: the assistant's turn is its
+    # content, "" (vLLM's for None), and the tool's result is a turn of role "tool".
+    assert prompt.text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_end|>\n<|im_start|>tool\nrain<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_variables_nested_too_deeply_are_a_value_error(sandbox):
+    tools = inner = {}
+    for _ in range(2000):
+        inner["a"] = {}
+        inner = inner["a"]
+    with pytest.raises(ValueError, match="nest too deeply to send to its renderer"):
+        render(sandbox, "{{ tools }}", tools=[tools])

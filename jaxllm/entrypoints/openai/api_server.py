@@ -78,10 +78,12 @@ class InternalErrors:
 
 def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, trust_request_chat_template: bool = False,
-              max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS) -> FastAPI:
+              max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS,
+              enable_auto_tools: bool = False, tool_parser: str | None = None) -> FastAPI:
     serving = OpenAIServing(engine, served_model_names, chat_template,
                             trust_request_chat_template=trust_request_chat_template,
-                            max_completion_prompts=max_completion_prompts)
+                            max_completion_prompts=max_completion_prompts,
+                            enable_auto_tools=enable_auto_tools, tool_parser=tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

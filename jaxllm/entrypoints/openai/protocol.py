@@ -1,7 +1,8 @@
 """The OpenAI wire format: request bodies (pydantic) and how they become SamplingParams.
 
-Owns the field names and defaults of `/v1/completions` and `/v1/chat/completions` bodies,
-vLLM's sampling extras on them, and the error body `{"error": {message, type, param, code}}`.
+Owns the field names and defaults of `/v1/completions` and `/v1/chat/completions` bodies
+(OpenAI's response_format, tools and tool_choice shapes included), vLLM's sampling extras on
+them, and the error body `{"error": {message, type, param, code}}`.
 Never touches the engine: range checks are SamplingParams' (one place), and their ValueError
 becomes a 400 in api_server.py. Two checks belong to the wire itself: every string of a body
 must be valid Unicode (a lone surrogate such as "\\ud800" reaches no tokenizer), and seeds
@@ -10,11 +11,13 @@ and priorities are int64, as in vLLM's server.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.structured_outputs import StructuredOutputsParams
 from jaxllm.unicode_text import check_json_text, check_text
 from jaxllm.value_ranges import INT64_MAX, INT64_MIN
 
@@ -42,6 +45,44 @@ def error_body(status: int, message: str, type_: str, param: str | None = None) 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    """response_format.json_schema: `schema` is the JSON schema the output follows."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    # `schema` would shadow pydantic's BaseModel.schema: stored as json_schema.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class _Body(BaseModel):
@@ -90,11 +131,18 @@ class _SamplingFields(_Body):
     allowed_token_ids: list[int] | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     request_id: str | None = None
+    # vLLM's StructuredOutputsParams fields, as a dict (structured_request.py reads it).
+    structured_outputs: dict[str, Any] | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The SamplingParams of this body; ValueError (-> 400) on any bad value."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
+        """The SamplingParams of this body; ValueError (-> 400) on any bad value.
+        structured_outputs: the constraint the server built from the body's fields."""
         defaults = SamplingParams()
         extra = {}
+        if structured_outputs is not None:
+            extra["structured_outputs"] = structured_outputs
         if self.bad_words is not None:
             extra["bad_words"] = self.bad_words
         if self.allowed_token_ids is not None:
@@ -140,9 +188,25 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's and vLLM's default).
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam \
+        | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_tool_choice(cls, value: Any) -> Any:
+        """One error naming `tool_choice` (not one per member of its union)."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict):
+            try:
+                return ChatCompletionNamedToolChoiceParam.model_validate(value)
+            except ValidationError:
+                pass
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": '
+                         f'"function", "function": {{"name": ...}}}}, got {value!r:.80}')
 
 
 class TokenizeRequest(_Body):

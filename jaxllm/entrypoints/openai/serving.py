@@ -1,15 +1,17 @@
 """Completions and chat completions: OpenAI request bodies -> engine streams -> OpenAI bodies.
 
 Owns the response shapes (non-streaming JSON, and SSE chunks ending in `data: [DONE]`), the
-choice indices of `n` and of several prompts, usage counts, both logprobs formats, the cap on
-prompts per request, and which chat template renders a conversation: the server's own, or
-one the request brings (refused unless the server trusts them, and then rendered in a
-bounded sandbox process, template_sandbox.py). Validates only what is the server's own: a
-chat's max_tokens named as the client sent it (max_completion_tokens or max_tokens), and
-vLLM's server rule that the prompt plus max_tokens must fit the context; every other range
-is SamplingParams' and the processor's (their ValueError is a 400). Never touches HTTP
-(api_server.py does), never tokenizes or renders on the event loop (AsyncLLM's input thread
-does), and never runs the engine loop.
+choice indices of `n` and of several prompts, usage counts, both logprobs formats, the cap
+on prompts per request, and which chat template renders a conversation (with the request's
+tools): the server's own, or one the request brings (refused unless the server trusts them,
+and then rendered in a bounded sandbox process, template_sandbox.py). What a request
+constrains its output to is structured_request.py's; how a named or "required" tool_choice
+output reads back as tool calls, whole or streamed, is tool_calls.py's. Validates only what
+is the server's own: a chat's max_tokens named as the client sent it (max_completion_tokens
+or max_tokens), and vLLM's server rule that the prompt plus max_tokens must fit the context;
+every other range is SamplingParams' and the processor's (their ValueError is a 400). Never
+touches HTTP (api_server.py does), never tokenizes or renders on the event loop (AsyncLLM's
+input thread does), and never runs the engine loop.
 
 Every request is admitted (tokenized, checked, its ids reserved) before a response starts,
 so bad input is a 400 even for a stream. After that a stream always ends with
@@ -30,10 +32,15 @@ import uuid
 from collections.abc import AsyncIterator
 
 from jaxllm.async_llm import AsyncLLM, RequestStream
-from jaxllm.engine.processor import ProcessedRequest, PromptInput, chat_messages
+from jaxllm.engine.chat_messages import chat_messages
+from jaxllm.engine.processor import ProcessedRequest, PromptInput
 from jaxllm.entrypoints.openai.errors import raise_if_failed, sse_error
 from jaxllm.entrypoints.openai.logprobs_format import chat_logprobs, completion_logprobs
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxllm.entrypoints.openai.structured_request import (RequestConstraint, chat_constraint,
+                                                          completion_constraint, errors_named)
+from jaxllm.entrypoints.openai.tool_calls import (stream_choices, tool_choice_message,
+                                                  tool_reader)
 from jaxllm.entrypoints.openai.template_sandbox import TemplateSandbox
 from jaxllm.outputs import RequestOutput
 from jaxllm.value_ranges import INT32_MAX, ParameterError, Range
@@ -54,10 +61,16 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None,
                  *, trust_request_chat_template: bool = False,
-                 max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS):
+                 max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS,
+                 enable_auto_tools: bool = False, tool_parser: str | None = None):
         """trust_request_chat_template: accept a `chat_template` in chat requests (vLLM's
         --trust-request-chat-template); max_completion_prompts: the most prompts one
-        /v1/completions request may hold."""
+        /v1/completions request may hold; enable_auto_tools, tool_parser: vLLM's
+        --enable-auto-tool-choice and --tool-call-parser (tool_choice="auto")."""
+        if enable_auto_tools and tool_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.enable_auto_tools = enable_auto_tools
+        self.tool_parser = tool_parser
         self.engine = engine
         self.model_names = model_names
         self.chat_template = chat_template
@@ -101,19 +114,21 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise ValueError(f"best_of must equal n ({req.n}), got {req.best_of}")
         self.engine.engine.processor.check_priority(req.priority)
+        constraint = completion_constraint(req)
         params = req.sampling_params(req.max_tokens if req.max_tokens is not None else 16,
-                                     req.logprobs)
-        return self.completion_prompts(req), params
+                                     req.logprobs, constraint.params)
+        return self.completion_prompts(req), params, constraint
 
     async def create_completion(self, req: CompletionRequest, model: str):
-        prompts, params = self.check_completion(req)
+        prompts, params, constraint = self.check_completion(req)
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         # Every prompt is tokenized and checked, its room in the context too, before any is
         # queued (on the input thread).
-        streams = await self.engine.add_requests(
-            prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], req.priority,
-            check=functools.partial(self.check_fits_context, param="max_tokens"))
+        with errors_named(constraint):
+            streams = await self.engine.add_requests(
+                prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], req.priority,
+                check=functools.partial(self.check_fits_context, param="max_tokens"))
         k = req.logprobs or 0
         if req.stream:
             return _sse_body(self._stream_completion(streams, rid, created, model, req, k))
@@ -159,15 +174,12 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions --------------------------------------------------------------
 
-    def check_chat(self, req: ChatCompletionRequest) -> str | None:
-        """-> the request's own chat template (None: the server's); ValueError for what can
-        be told without rendering."""
+    def check_chat(self, req: ChatCompletionRequest) -> tuple[str | None, RequestConstraint]:
+        """-> (the request's own chat template (None: the server's), its constraint);
+        ValueError for what can be told without rendering."""
         if req.logit_bias:
             raise ValueError("logit_bias is not supported")
-        if req.tools:
-            raise ValueError("tools are not supported")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported")
+        constraint = chat_constraint(req, self.enable_auto_tools)
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         self.engine.engine.processor.check_priority(req.priority)
@@ -180,7 +192,7 @@ class OpenAIServing:
                              "accepted only with --trust-request-chat-template")
         if template is not None and not isinstance(template, str):
             raise ValueError(f"chat_template must be a string, got {type(template).__name__}")
-        return template
+        return template, constraint
 
     def chat_max_tokens_param(self, req: ChatCompletionRequest) -> str | None:
         """The field that sets this chat's max_tokens, its range checked and named as the
@@ -196,11 +208,13 @@ class OpenAIServing:
 
     async def chat_prompt(self, req: ChatCompletionRequest, template: str | None
                           ) -> PromptInput:
-        """The conversation rendered and tokenized, off the event loop."""
+        """The conversation rendered and tokenized, off the event loop. The request's tools
+        are rendered whatever its tool_choice ("none" included, as vLLM)."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         if template is None:
             return await self.engine.render_chat(
                 req.messages, self.chat_template, req.add_generation_prompt,
-                req.continue_final_message, req.chat_template_kwargs)
+                req.continue_final_message, req.chat_template_kwargs, tools)
         kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
                   if k != "chat_template"}
         messages = await self.engine.offload(chat_messages, req.messages)
@@ -208,7 +222,8 @@ class OpenAIServing:
             template, messages,
             special_tokens=self.engine.tokenizer.special_tokens_map,
             add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs)
+            continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs,
+            tools=tools)
         return await self.engine.offload(self.engine.engine.processor.chat_prompt, text)
 
     def check_fits_context(self, request: ProcessedRequest, param: str) -> None:
@@ -224,7 +239,7 @@ class OpenAIServing:
                                  param)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
-        template = self.check_chat(req)
+        template, constraint = self.check_chat(req)
         param = self.chat_max_tokens_param(req)
         prompt = await self.chat_prompt(req, template)
         fits = None
@@ -234,27 +249,39 @@ class OpenAIServing:
         else:  # vLLM: the rest of the context
             max_tokens = max(1, self.max_model_len - len(prompt.token_ids))
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs
-                                     else None)
+                                     else None, constraint.params)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream, = await self.engine.add_requests([prompt], params, [rid], req.priority,
-                                                 check=fits)
+        with errors_named(constraint):
+            stream, = await self.engine.add_requests([prompt], params, [rid], req.priority,
+                                                     check=fits)
         k = req.top_logprobs or 0
         if req.stream:
-            return _sse_body(self._stream_chat(stream, rid, created, model, req, k))
+            return _sse_body(self._stream_chat(stream, rid, created, model, req, k,
+                                               constraint))
         try:
             out = await _last(stream)
         finally:
             stream.close()
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c, k), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            if constraint.makes_tool_calls:
+                message, finish = tool_choice_message(
+                    tool_reader(constraint.tool_choice, constraint.tool_name), c.text, finish)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": chat_logprobs(c, k), "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices,
                 "usage": _usage(len(out.prompt_token_ids),
                                 sum(len(c.token_ids) for c in out.outputs))}
 
-    async def _stream_chat(self, stream, rid, created, model, req, k) -> AsyncIterator[str]:
+    async def _stream_chat(self, stream, rid, created, model, req, k, constraint
+                           ) -> AsyncIterator[str]:
+        readers = ({i: tool_reader(constraint.tool_choice, constraint.tool_name)
+                    for i in range(req.n)} if constraint.makes_tool_calls else None)
+
         def chunk(choices, usage=None):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": model, "choices": choices, "usage": usage})
@@ -269,6 +296,11 @@ class OpenAIServing:
                     completion_tokens += len(c.token_ids)
                     if not c.text and c.finish_reason is None and c.logprobs is None:
                         continue  # nothing visible yet (held back, or a partial character)
+                    if readers is not None:
+                        for choice in stream_choices(readers[c.index], c,
+                                                     chat_logprobs(c, k)):
+                            yield chunk([choice])
+                        continue
                     yield chunk([{"index": c.index, "delta": {"content": c.text},
                                   "logprobs": chat_logprobs(c, k),
                                   "finish_reason": c.finish_reason,

@@ -10,7 +10,8 @@ use and again after it is killed or dies.
 
 Owns the variables a template sees (as transformers' `apply_chat_template` gives them: the
 messages without None values, the tokenizer's special tokens, add_generation_prompt,
-tools/documents None, the request's chat_template_kwargs) and `continue_final_message`.
+the request's tools, documents None, the request's chat_template_kwargs) and
+`continue_final_message`.
 Never tokenizes (the processor does) and never renders the server's own template.
 """
 
@@ -44,8 +45,10 @@ class TemplateSandbox:
     async def render(self, template: str, messages: list[dict], *,
                      special_tokens: dict[str, Any], add_generation_prompt: bool,
                      continue_final_message: bool,
-                     chat_template_kwargs: dict[str, Any] | None) -> str:
-        """The rendered conversation; ValueError saying why it could not be."""
+                     chat_template_kwargs: dict[str, Any] | None,
+                     tools: list[dict] | None = None) -> str:
+        """The rendered conversation; ValueError saying why it could not be. tools:
+        OpenAI's tool definitions, the template's `tools`."""
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         final = None
         if continue_final_message:
@@ -58,7 +61,7 @@ class TemplateSandbox:
                                  "content")
             messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
         variables = {**special_tokens, **(chat_template_kwargs or {}), "messages": messages,
-                     "tools": None, "documents": None,
+                     "tools": tools, "documents": None,
                      "add_generation_prompt": add_generation_prompt}
         text = await asyncio.to_thread(self._render, template, variables)
         if final is not None:
@@ -69,7 +72,11 @@ class TemplateSandbox:
         return text
 
     def _render(self, template: str, variables: dict) -> str:
-        request = json.dumps({"template": template, "variables": variables}) + "\n"
+        try:
+            request = json.dumps({"template": template, "variables": variables}) + "\n"
+        except RecursionError:  # a message or tool nested deeper than json can write
+            raise ValueError("the chat template's variables (messages, tools) nest too deeply "
+                             "to send to its renderer") from None
         with self._lock:
             proc = self._worker()
             try:
