@@ -23,6 +23,7 @@ import sys
 import typing
 
 from jaxllm.config import EngineConfig
+from jaxllm.entrypoints.openai.tool_parsers import ToolParserManager
 
 SERVER_DEFAULTS = dict(host="0.0.0.0", port=8000, api_key=None, served_model_name=None,
                        chat_template=None, uvicorn_log_level="info", headless=False,
@@ -67,7 +68,8 @@ def make_parser() -> argparse.ArgumentParser:
                        help='tool_choice="auto": the model decides when to call tools (needs '
                             "--tool-call-parser)")
     serve.add_argument("--tool-call-parser",
-                       help='the parser that reads tool calls out of "auto" outputs')
+                       help='the parser that reads tool calls out of "auto" outputs: one of '
+                            + ", ".join(ToolParserManager.names()))
     serve.add_argument("--uvicorn-log-level")
     serve.add_argument("--headless", action="store_true",
                        help="a follower node (--node-rank > 0): no API server, it replays the "
@@ -104,6 +106,11 @@ def resolve_args(argv: list[str]) -> tuple[dict, EngineConfig]:
                          "node 0 serves the API")
     if server["enable_auto_tool_choice"] and server["tool_call_parser"] is None:
         raise SystemExit("jaxllm serve: --enable-auto-tool-choice needs --tool-call-parser")
+    if server["tool_call_parser"] is not None:
+        try:
+            ToolParserManager.get_tool_parser(server["tool_call_parser"])
+        except ValueError as e:
+            raise SystemExit(f"jaxllm serve: {e}") from None
     if config.node_rank > 0 and not server["headless"]:
         raise SystemExit(f"jaxllm serve: --node-rank {config.node_rank} serves no API; add "
                          "--headless")

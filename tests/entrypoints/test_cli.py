@@ -93,3 +93,7 @@ def test_auto_tool_choice_flags():
     assert (server["enable_auto_tool_choice"], server["tool_call_parser"]) == (True, "hermes")
     with pytest.raises(SystemExit, match="--enable-auto-tool-choice needs --tool-call-parser"):
         resolve_args(["--enable-auto-tool-choice"])
+    with pytest.raises(SystemExit) as e:
+        resolve_args(["--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
+    assert str(e.value) == ("jaxllm serve: invalid tool_call_parser: 'mistral' (choose from "
+                            "hermes, llama3_json, llama4_json, pythonic)")

@@ -6,7 +6,8 @@ on prompts per request, and which chat template renders a conversation (with the
 tools): the server's own, or one the request brings (refused unless the server trusts them,
 and then rendered in a bounded sandbox process, template_sandbox.py). What a request
 constrains its output to is structured_request.py's; how a named or "required" tool_choice
-output reads back as tool calls, whole or streamed, is tool_calls.py's. Validates only what
+output reads back as tool calls, whole or streamed, is tool_calls.py's, and how an "auto"
+one is read by the --tool-call-parser, auto_tool_calls.py's. Validates only what
 is the server's own: a chat's max_tokens named as the client sent it (max_completion_tokens
 or max_tokens), and vLLM's server rule that the prompt plus max_tokens must fit the context;
 every other range is SamplingParams' and the processor's (their ValueError is a 400). Never
@@ -34,6 +35,8 @@ from collections.abc import AsyncIterator
 from jaxllm.async_llm import AsyncLLM, RequestStream
 from jaxllm.engine.chat_messages import chat_messages
 from jaxllm.engine.processor import ProcessedRequest, PromptInput
+from jaxllm.entrypoints.openai.auto_tool_calls import (AutoToolCallReader,
+                                                       auto_stream_choices, auto_tool_message)
 from jaxllm.entrypoints.openai.errors import raise_if_failed, sse_error
 from jaxllm.entrypoints.openai.logprobs_format import chat_logprobs, completion_logprobs
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,6 +45,7 @@ from jaxllm.entrypoints.openai.structured_request import (RequestConstraint, cha
 from jaxllm.entrypoints.openai.tool_calls import (stream_choices, tool_choice_message,
                                                   tool_reader)
 from jaxllm.entrypoints.openai.template_sandbox import TemplateSandbox
+from jaxllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from jaxllm.outputs import RequestOutput
 from jaxllm.value_ranges import INT32_MAX, ParameterError, Range
 
@@ -71,6 +75,9 @@ class OpenAIServing:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         self.enable_auto_tools = enable_auto_tools
         self.tool_parser = tool_parser
+        # An unknown name is refused at start-up, not at the first "auto" request.
+        self.tool_parser_cls = (ToolParserManager.get_tool_parser(tool_parser)
+                                if tool_parser is not None else None)
         self.engine = engine
         self.model_names = model_names
         self.chat_template = chat_template
@@ -238,6 +245,10 @@ class OpenAIServing:
                                  f"is {self.max_model_len}, so {param} must be at most {room}.",
                                  param)
 
+    def auto_tool_parser(self, req: ChatCompletionRequest) -> ToolParser:
+        """A fresh parser (its own stream state) for one output of an "auto" request."""
+        return self.tool_parser_cls([t.model_dump(exclude_none=True) for t in req.tools])
+
     async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
         template, constraint = self.check_chat(req)
         param = self.chat_max_tokens_param(req)
@@ -269,6 +280,9 @@ class OpenAIServing:
             if constraint.makes_tool_calls:
                 message, finish = tool_choice_message(
                     tool_reader(constraint.tool_choice, constraint.tool_name), c.text, finish)
+            elif constraint.tool_choice == "auto":
+                message, finish = auto_tool_message(self.auto_tool_parser(req), c.text,
+                                                    finish)
             choices.append({"index": c.index, "message": message,
                             "logprobs": chat_logprobs(c, k), "finish_reason": finish,
                             "stop_reason": c.stop_reason})
@@ -279,8 +293,13 @@ class OpenAIServing:
 
     async def _stream_chat(self, stream, rid, created, model, req, k, constraint
                            ) -> AsyncIterator[str]:
-        readers = ({i: tool_reader(constraint.tool_choice, constraint.tool_name)
-                    for i in range(req.n)} if constraint.makes_tool_calls else None)
+        readers, choices_of = None, stream_choices
+        if constraint.makes_tool_calls:
+            readers = {i: tool_reader(constraint.tool_choice, constraint.tool_name)
+                       for i in range(req.n)}
+        elif constraint.tool_choice == "auto":
+            readers = {i: AutoToolCallReader(self.auto_tool_parser(req)) for i in range(req.n)}
+            choices_of = auto_stream_choices
 
         def chunk(choices, usage=None):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -297,8 +316,7 @@ class OpenAIServing:
                     if not c.text and c.finish_reason is None and c.logprobs is None:
                         continue  # nothing visible yet (held back, or a partial character)
                     if readers is not None:
-                        for choice in stream_choices(readers[c.index], c,
-                                                     chat_logprobs(c, k)):
+                        for choice in choices_of(readers[c.index], c, chat_logprobs(c, k)):
                             yield chunk([choice])
                         continue
                     yield chunk([{"index": c.index, "delta": {"content": c.text},
