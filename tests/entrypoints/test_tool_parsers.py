@@ -114,6 +114,7 @@ PYTHONIC_CASES = [
     ("[f(d={'k': [1, {'j': 'é東'}], \"q\": '\\'\\\\'}),]\n",
      [F("f", '{"d": {"k": [1, {"j": "é東"}], "q": "\'\\\\"}}')], None),
     ("[f(a=1,  # why\n b=')')]", [F("f", '{"a": 1, "b": ")"}')], None),
+    ("[\n  f\n  (a=[1,\n 2]),\n  g()\n]", [F("f", '{"a": [1, 2]}'), F("g", "{}")], None),
     ("Sure: [f()]", NOT_CALLS, None),
     ("[1] is a citation", NOT_CALLS, None),
     ("[]", NOT_CALLS, None),

@@ -119,7 +119,8 @@ def literal_value(node: ast.expr) -> Any:
 
 def parse_pythonic_call(source: str) -> FunctionCall | None:
     try:
-        node = ast.parse(source, mode="eval").body
+        # In parentheses, as inside the list: a line break before `(` is no statement end.
+        node = ast.parse(f"({source})", mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
