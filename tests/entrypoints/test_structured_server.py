@@ -108,17 +108,19 @@ def test_tool_calls_validate_and_stream_as_they_do_whole(client, tool_choice, na
 
 
 def test_a_tool_call_cut_by_length_is_no_tool_call(client):
-    out = client.chat.completions.create(tool_choice=NAMED,
-                                         **{**SAMPLED, "n": 1, "max_tokens": 3})
-    choice = out.choices[0]
-    assert choice.finish_reason == "length" and not choice.message.tool_calls
-    assert choice.message.content and out.usage.completion_tokens == 3
+    out = client.chat.completions.create(tool_choice=NAMED, **{**SAMPLED, "max_tokens": 3})
+    assert out.usage.completion_tokens == 6
+    for choice in out.choices:
+        assert choice.finish_reason == "length" and not choice.message.tool_calls
+        assert choice.message.content
     # A stream cannot take back the deltas it sent: it says "length" at the end.
     chunks = list(client.chat.completions.create(tool_choice=NAMED, stream=True,
-                                                 **{**SAMPLED, "n": 1, "max_tokens": 3}))
-    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
-    assert "".join(d.function.arguments for c in chunks
-                   for d in c.choices[0].delta.tool_calls or []) == choice.message.content
+                                                 **{**SAMPLED, "max_tokens": 3}))
+    for choice in out.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert mine[-1].finish_reason == "length"
+        assert "".join(d.function.arguments for c in mine
+                       for d in c.delta.tool_calls or []) == choice.message.content
 
 
 def test_response_format_and_structured_outputs(client, server):
