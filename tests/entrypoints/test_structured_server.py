@@ -191,6 +191,14 @@ def test_bad_constraints_are_400s_naming_the_field(client, path, extra, param, m
     assert error["type"] == "BadRequestError" and error["code"] == 400
 
 
+def test_a_stream_s_bad_constraint_is_a_400_before_it_starts(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, stream=True,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "foo"}}})
+    assert info.value.body["param"] == "response_format"
+
+
 def test_tool_choice_none_renders_tools_but_generates_text(client, server):
     # "\n" as an expression: chat templates drop the newline right after a block tag.
     template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}"
