@@ -155,6 +155,9 @@ def test_response_format_and_structured_outputs(client, server):
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", 'response_format of type "json_schema" needs json_schema.schema'),
     ("chat", {"response_format": {"type": "yaml"}}, "response_format.type", "Input should be"),
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "minProperties": "two"}}}},
+     "response_format", "response_format: structured_outputs.json is invalid: "),
     ("chat", {"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex",
      "structured_outputs.regex is invalid: "),
     ("completions", {"structured_outputs": {"grammar": "start: foo"}},
