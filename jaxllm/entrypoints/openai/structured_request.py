@@ -8,10 +8,12 @@ schema, regex or grammar compiles is asked by the processor at admission (on the
 thread), and `errors_named` renames its error after the field the constraint came from.
 Never touches the engine and never builds a response (tool_calls.py does).
 
-    response_format   {"type": "text"}          -> no constraint (both endpoints, as vLLM)
+    both endpoints (as vLLM's):
+    response_format   {"type": "text"}          -> no constraint
                       {"type": "json_object"}   -> json_object=True
                       {"type": "json_schema"}   -> json=json_schema.schema
     structured_outputs {...}                    -> StructuredOutputsParams(**...)
+    chat only:
     tool_choice       "none" (or no tools)      -> no constraint; tools still rendered
                       "auto" (default w/ tools) -> no constraint; needs the server's
                                                    --enable-auto-tool-choice
