@@ -46,6 +46,14 @@ def test_response_format_and_structured_outputs_map_to_params():
     assert completion_constraint(CompletionRequest(prompt="x", structured_outputs=so)) == \
         RequestConstraint(StructuredOutputsParams(**so), "structured_outputs")
     assert completion_constraint(CompletionRequest(prompt="x")) == RequestConstraint()
+    assert completion_constraint(CompletionRequest(prompt="x", response_format={
+        "type": "json_object"})) == RequestConstraint(StructuredOutputsParams(json_object=True),
+                                                       "response_format")
+    with pytest.raises(ParameterError, match="structured_outputs and response_format each "
+                                             "constrain the output") as info:
+        completion_constraint(CompletionRequest(prompt="x", structured_outputs=so,
+                                                response_format={"type": "json_object"}))
+    assert info.value.param == "response_format"
 
 
 def test_tool_choices():

@@ -108,17 +108,19 @@ def test_tool_calls_validate_and_stream_as_they_do_whole(client, tool_choice, na
 
 
 def test_a_tool_call_cut_by_length_is_no_tool_call(client):
-    out = client.chat.completions.create(tool_choice=NAMED,
-                                         **{**SAMPLED, "n": 1, "max_tokens": 3})
-    choice = out.choices[0]
-    assert choice.finish_reason == "length" and not choice.message.tool_calls
-    assert choice.message.content and out.usage.completion_tokens == 3
+    out = client.chat.completions.create(tool_choice=NAMED, **{**SAMPLED, "max_tokens": 3})
+    assert out.usage.completion_tokens == 6
+    for choice in out.choices:
+        assert choice.finish_reason == "length" and not choice.message.tool_calls
+        assert choice.message.content
     # A stream cannot take back the deltas it sent: it says "length" at the end.
     chunks = list(client.chat.completions.create(tool_choice=NAMED, stream=True,
-                                                 **{**SAMPLED, "n": 1, "max_tokens": 3}))
-    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
-    assert "".join(d.function.arguments for c in chunks
-                   for d in c.choices[0].delta.tool_calls or []) == choice.message.content
+                                                 **{**SAMPLED, "max_tokens": 3}))
+    for choice in out.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert mine[-1].finish_reason == "length"
+        assert "".join(d.function.arguments for c in mine
+                       for d in c.delta.tool_calls or []) == choice.message.content
 
 
 def test_response_format_and_structured_outputs(client, server):
@@ -153,6 +155,9 @@ def test_response_format_and_structured_outputs(client, server):
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", 'response_format of type "json_schema" needs json_schema.schema'),
     ("chat", {"response_format": {"type": "yaml"}}, "response_format.type", "Input should be"),
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "minProperties": "two"}}}},
+     "response_format", "response_format: structured_outputs.json is invalid: "),
     ("chat", {"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex",
      "structured_outputs.regex is invalid: "),
     ("completions", {"structured_outputs": {"grammar": "start: foo"}},
@@ -187,6 +192,14 @@ def test_bad_constraints_are_400s_naming_the_field(client, path, extra, param, m
     error = info.value.body
     assert error["param"] == param and error["message"].startswith(message), error
     assert error["type"] == "BadRequestError" and error["code"] == 400
+
+
+def test_a_stream_s_bad_constraint_is_a_400_before_it_starts(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, stream=True,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "foo"}}})
+    assert info.value.body["param"] == "response_format"
 
 
 def test_tool_choice_none_renders_tools_but_generates_text(client, server):

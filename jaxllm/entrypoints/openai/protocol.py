@@ -133,6 +133,7 @@ class _SamplingFields(_Body):
     request_id: str | None = None
     # vLLM's StructuredOutputsParams fields, as a dict (structured_request.py reads it).
     structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None
@@ -188,7 +189,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[ChatCompletionToolsParam] | None = None
     # None: "auto" when tools are given, else "none" (OpenAI's and vLLM's default).
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam \

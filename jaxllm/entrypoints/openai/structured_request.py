@@ -8,10 +8,12 @@ schema, regex or grammar compiles is asked by the processor at admission (on the
 thread), and `errors_named` renames its error after the field the constraint came from.
 Never touches the engine and never builds a response (tool_calls.py does).
 
+    both endpoints (as vLLM's):
     response_format   {"type": "text"}          -> no constraint
                       {"type": "json_object"}   -> json_object=True
                       {"type": "json_schema"}   -> json=json_schema.schema
     structured_outputs {...}                    -> StructuredOutputsParams(**...)
+    chat only:
     tool_choice       "none" (or no tools)      -> no constraint; tools still rendered
                       "auto" (default w/ tools) -> no constraint; needs the server's
                                                    --enable-auto-tool-choice
@@ -30,7 +32,7 @@ import dataclasses
 
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionNamedToolChoiceParam,
                                                 ChatCompletionRequest,
-                                                ChatCompletionToolsParam)
+                                                ChatCompletionToolsParam, CompletionRequest)
 from jaxllm.structured_outputs import StructuredOutputsParams
 from jaxllm.value_ranges import ParameterError
 
@@ -74,32 +76,44 @@ def structured_outputs_of(body_field: dict | None) -> StructuredOutputsParams | 
         raise ParameterError(str(e), "structured_outputs") from None
 
 
-def completion_constraint(req) -> RequestConstraint:
-    params = structured_outputs_of(req.structured_outputs)
-    return RequestConstraint(params, "structured_outputs" if params else None)
+def completion_constraint(req: CompletionRequest) -> RequestConstraint:
+    """The constraint of a completion body (structured_outputs or response_format, as
+    vLLM's); ParameterError (a 400 naming the field) when both are given."""
+    params, param = _one_of(_asked(req))
+    return RequestConstraint(params, param)
 
 
 def chat_constraint(req: ChatCompletionRequest, enable_auto_tools: bool) -> RequestConstraint:
     """The constraint of a chat body; ParameterError (a 400 naming the field) when its
     fields are inconsistent."""
-    asked = []  # (params, field) of each field that constrains
+    asked = _asked(req)
+    tool_choice, tool_name, tool_params = _tool_choice(req, enable_auto_tools)
+    if tool_params is not None:
+        asked.append((tool_params, "tool_choice"))
+    params, param = _one_of(asked)
+    if param == "tool_choice":
+        param = "tools"  # a schema that does not compile is a tool's parameters
+    return RequestConstraint(params, param, tool_choice, tool_name)
+
+
+def _asked(req) -> list[tuple[StructuredOutputsParams, str]]:
+    """(params, field) of each of structured_outputs and response_format that constrains."""
+    asked = []
     so = structured_outputs_of(req.structured_outputs)
     if so is not None:
         asked.append((so, "structured_outputs"))
     rf = _response_format(req)
     if rf is not None:
         asked.append((rf, "response_format"))
-    tool_choice, tool_name, tool_params = _tool_choice(req, enable_auto_tools)
-    if tool_params is not None:
-        asked.append((tool_params, "tool_choice"))
+    return asked
+
+
+def _one_of(asked: list) -> tuple[StructuredOutputsParams | None, str | None]:
     if len(asked) > 1:
         fields = [field for _, field in asked]
         raise ParameterError(f"{' and '.join(fields)} each constrain the output; give only "
                              "one of them", fields[-1])
-    params, param = asked[0] if asked else (None, None)
-    if param == "tool_choice":
-        param = "tools"  # a schema that does not compile is a tool's parameters
-    return RequestConstraint(params, param, tool_choice, tool_name)
+    return asked[0] if asked else (None, None)
 
 
 @contextlib.contextmanager
@@ -115,7 +129,7 @@ def errors_named(constraint: RequestConstraint):
         raise ParameterError(f"{constraint.param}: {e}", constraint.param) from None
 
 
-def _response_format(req: ChatCompletionRequest) -> StructuredOutputsParams | None:
+def _response_format(req) -> StructuredOutputsParams | None:
     rf = req.response_format
     if rf is None or rf.type == "text":
         return None
