@@ -16,9 +16,9 @@ the raw run amortises prefill and the fixed cost of a step over far fewer tokens
 later steps carry few rows. The length-matched ratio is the one that says what the
 constraints themselves cost; the raw ratio also counts what they save (shorter outputs).
 
-Each of `--repeats` rounds runs the three workloads back to back (the order reversed every
-other round), with async scheduling and then without (steps with constrained rows run
-synchronously under both, engine/core.py); ratios are taken within a round and their median
+Each of `--repeats` rounds runs the three workloads back to back, with async scheduling and
+without (steps with constrained rows run synchronously under both, engine/core.py), both
+orders reversed every other round; ratios are taken within a round and their median
 printed, so drifting load on a shared machine moves both sides.
 
 Reports:
@@ -255,7 +255,7 @@ def main():
                  ("length-matched", matched)]
     runs = {}  # (async_scheduling, workload) -> one dict per round
     for r in range(args.repeats):
-        for async_scheduling in (True, False):
+        for async_scheduling in (True, False)[::-1 if r % 2 else 1]:
             core.async_scheduling = async_scheduling
             for name, params in workloads[::-1] if r % 2 else workloads:
                 runs.setdefault((async_scheduling, name), []).append(
