@@ -2,23 +2,38 @@
 
 Workload: `--num-prompts` requests (default 64) each constrained to one of 8 JSON schemas of
 realistic size (nested objects, enums, arrays, string formats), plus as many constrained to
-a regex or a choice, and the same prompts unconstrained. Temperature 1.0, fixed seeds, the
-same max_tokens; the engine is warmed by one untimed run of each workload first.
+a regex or a choice. Temperature 1.0, fixed seeds, the same max_tokens; the engine is warmed
+by one untimed run of each workload first. Three workloads over the same prompts and seeds:
+
+  unconstrained   the same max_tokens, no constraint (the raw comparison)
+  constrained     the constraints above
+  length-matched  no constraint, but each request generates exactly as many tokens as its
+                  constrained run did (max_tokens = that length, ignore_eos): the same
+                  tokens per request, the same steps and the same rows per step
+
+Constrained outputs end early (a closed JSON object, a short regex, a one-word choice), so
+the raw run amortises prefill and the fixed cost of a step over far fewer tokens, and its
+later steps carry few rows. The length-matched ratio is the one that says what the
+constraints themselves cost; the raw ratio also counts what they save (shorter outputs).
+
+Each of `--repeats` rounds runs the three workloads back to back, with async scheduling and
+without (steps with constrained rows run synchronously under both, engine/core.py), both
+orders reversed every other round; ratios are taken within a round and their median
+printed, so drifting load on a shared machine moves both sides.
 
 Reports:
-  throughput   output tok/s, constrained vs unconstrained (async scheduling, the default),
-               and the same with async_scheduling=False: steps with constrained rows run
-               synchronously (engine/core.py), so this shows what the scheme costs them
+  throughput   per scheduling mode and workload (medians over rounds): output tok/s, s,
+               tokens, engine steps and mean sequences per step, host ms per step filling
+               bitmasks and the rows filled, and filling's share of the engine's step time
+  ratios       constrained / unconstrained (raw) and constrained / length-matched
   compile      a first compile of each schema (ms: llguidance, the tokenizer already built),
                and a warm-cache grammar setup (cache hit + matcher copy, ms per request)
   TTFT         one request alone: unconstrained, constrained with a schema never seen
                (compile on the path), and with the same schema again (warm cache)
-  masks        host ms per step filling bitmasks, rows per step, and its share of the
-               constrained run's wall time
   validity     every "stop" output parses and validates (jsonschema) or fullmatches
 
     python benchmarks/structured_output.py
-    python benchmarks/structured_output.py --num-prompts 16 --max-tokens 64   # quick
+    python benchmarks/structured_output.py --num-prompts 32 --repeats 3   # quicker
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 import time
 
@@ -140,6 +156,57 @@ def timed(llm, prompts, params):
     return outputs, seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
+def length_matched(constrained, outputs):
+    """Unconstrained params generating, per request, exactly the constrained output's tokens."""
+    from jaxllm import SamplingParams
+    return [SamplingParams(temperature=p.temperature, seed=p.seed, ignore_eos=True,
+                           max_tokens=max(1, len(o.outputs[0].token_ids)))
+            for p, o in zip(constrained, outputs)]
+
+
+class StepLog:
+    """Counts the engine's steps, the sequences each runs and the seconds spent in
+    EngineCore.step, by wrapping the two (measurement only: the engine is unchanged)."""
+
+    def __init__(self, core):
+        self.steps = self.seqs = 0
+        self.step_seconds = 0.0
+        schedule, step = core.scheduler.schedule, core.step
+
+        def counted_schedule():
+            so = schedule()
+            if not so.is_empty:
+                self.steps += 1
+                self.seqs += len(so.num_scheduled_tokens)
+            return so
+
+        def timed_step():
+            t0 = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.step_seconds += time.perf_counter() - t0
+
+        core.scheduler.schedule, core.step = counted_schedule, timed_step
+
+    def snapshot(self) -> tuple[int, int, float]:
+        return self.steps, self.seqs, self.step_seconds
+
+
+def measured_run(llm, log: StepLog, manager, prompts, params) -> dict:
+    """One timed generate: throughput, engine steps and sequences, mask filling."""
+    llm.reset_prefix_cache()  # every run computes its prompts
+    before = (*log.snapshot(), manager.num_mask_fills, manager.mask_fill_seconds,
+              manager.num_mask_rows)
+    outputs, seconds, ntok = timed(llm, prompts, params)
+    after = (*log.snapshot(), manager.num_mask_fills, manager.mask_fill_seconds,
+             manager.num_mask_rows)
+    steps, seqs, step_s, fills, fill_s, fill_rows = (x - y for x, y in zip(after, before))
+    return dict(tps=ntok / seconds, seconds=seconds, tokens=ntok, steps=steps,
+                seqs=seqs, step_seconds=step_s, fills=fills, fill_seconds=fill_s,
+                fill_rows=fill_rows, outputs=outputs)
+
+
 def valid(text: str, check) -> bool:
     try:
         return bool(check(text))
@@ -155,7 +222,7 @@ def main():
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="rounds (medians)")
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from machine import machine_header  # benchmarks/machine.py
@@ -171,8 +238,11 @@ def main():
           f"schemas, {args.num_prompts} regex/choice), temperature 1.0, max_tokens "
           f"{args.max_tokens}; engine max_num_seqs {args.max_num_seqs}", flush=True)
 
+    log = StepLog(core)
     timed(llm, prompts, plain)  # warm-up, untimed: every grammar compiled and cached
-    timed(llm, prompts, constrained)
+    outputs, _, constrained_tokens = timed(llm, prompts, constrained)
+    matched = length_matched(constrained, outputs)
+    timed(llm, prompts, matched)
     # TTFT: one request alone, max_tokens=1, on the warm engine.
     one = lambda c: SamplingParams(temperature=1.0, seed=0, max_tokens=1,  # noqa: E731
                                    structured_outputs=c)
@@ -180,34 +250,18 @@ def main():
     fresh = StructuredOutputsParams(json={**SCHEMAS[0], "title": "never seen"})
     _, ttft_cold, _ = timed(llm, prompts[:1], [one(fresh)])
     _, ttft_warm, _ = timed(llm, prompts[:1], [one(fresh)])
-    rows = []
-    for async_scheduling in (True, False):
-        core.async_scheduling = async_scheduling
-        for name, params in (("unconstrained", plain), ("constrained", constrained)):
-            best = None
-            for _ in range(args.repeats):
-                fills, fill_s, nrows = (manager.num_mask_fills, manager.mask_fill_seconds,
-                                        manager.num_mask_rows)
-                outputs, seconds, ntok = timed(llm, prompts, params)
-                if best is None or ntok / seconds > best[0]:
-                    best = (ntok / seconds, seconds, ntok, outputs,
-                            manager.num_mask_fills - fills,
-                            manager.mask_fill_seconds - fill_s, manager.num_mask_rows - nrows)
-            rows.append((async_scheduling, name, *best))
-    core.async_scheduling = True
 
-    print(f"\n{'scheduling':<10} {'requests':<14} {'tok/s':>8} {'s':>7} {'tokens':>7} "
-          f"{'mask ms/step':>12} {'rows/step':>9} {'fill % of run':>13}")
-    for async_scheduling, name, tps, seconds, ntok, _, fills, fill_s, nrows in rows:
-        per = f"{1e3 * fill_s / fills:.2f}" if fills else "-"
-        rps = f"{nrows / fills:.1f}" if fills else "-"
-        share = f"{100 * fill_s / seconds:.1f}" if fills else "-"
-        print(f"{'async' if async_scheduling else 'sync':<10} {name:<14} {tps:>8.1f} "
-              f"{seconds:>7.2f} {ntok:>7} {per:>12} {rps:>9} {share:>13}")
-    by = {(a, n): tps for a, n, tps, *_ in rows}
-    print(f"constrained / unconstrained: async {by[True, 'constrained'] / by[True, 'unconstrained']:.2f}, "
-          f"sync {by[False, 'constrained'] / by[False, 'unconstrained']:.2f}; "
-          f"unconstrained async / sync {by[True, 'unconstrained'] / by[False, 'unconstrained']:.2f}")
+    workloads = [("unconstrained", plain), ("constrained", constrained),
+                 ("length-matched", matched)]
+    runs = {}  # (async_scheduling, workload) -> one dict per round
+    for r in range(args.repeats):
+        for async_scheduling in (True, False)[::-1 if r % 2 else 1]:
+            core.async_scheduling = async_scheduling
+            for name, params in workloads[::-1] if r % 2 else workloads:
+                runs.setdefault((async_scheduling, name), []).append(
+                    measured_run(llm, log, manager, prompts, params))
+    core.async_scheduling = True
+    print_runs(runs, workloads, constrained_tokens)
 
     # Compile: each schema first (fresh cache keys), then its warm setup.
     cold, warm = [], []
@@ -227,15 +281,47 @@ def main():
     print(f"TTFT (1 request, 1 token): unconstrained {1e3 * ttft_plain:.0f} ms, new schema "
           f"{1e3 * ttft_cold:.0f} ms, same schema again {1e3 * ttft_warm:.0f} ms")
 
-    for async_scheduling, name, *_, outputs, _f, _s, _r in rows:
-        if name != "constrained":
-            continue
+    for async_scheduling in (True, False):
+        outputs = runs[async_scheduling, "constrained"][-1]["outputs"]
         stops = [(o.outputs[0].text, chk) for o, chk in zip(outputs, checks)
                  if o.outputs[0].finish_reason == "stop"]
         ok = sum(valid(t, chk) for t, chk in stops)
         print(f"validity ({'async' if async_scheduling else 'sync'}): {ok}/{len(stops)} "
               f"finished outputs valid; {len(outputs) - len(stops)} of {len(outputs)} "
               f"reached max_tokens")
+
+
+def print_runs(runs: dict, workloads, constrained_tokens: int) -> None:
+    med = lambda rs, key: statistics.median(r[key] for r in rs)  # noqa: E731
+    print(f"\nmedians over {len(next(iter(runs.values())))} rounds")
+    print(f"{'scheduling':<10} {'workload':<15} {'tok/s':>8} {'s':>7} {'tokens':>7} "
+          f"{'steps':>6} {'seqs/step':>9} {'mask ms/step':>12} {'rows/fill':>9} "
+          f"{'fill % of steps':>15}")
+    for (async_scheduling, name), rs in runs.items():
+        fills = med(rs, "fills")
+        per = f"{1e3 * med(rs, 'fill_seconds') / fills:.2f}" if fills else "-"
+        rows = f"{med(rs, 'fill_rows') / fills:.1f}" if fills else "-"
+        share = (f"{100 * statistics.median(r['fill_seconds'] / r['step_seconds'] for r in rs):.1f}"
+                 if fills else "-")
+        tokens = {r["tokens"] for r in rs}
+        print(f"{'async' if async_scheduling else 'sync':<10} {name:<15} {med(rs, 'tps'):>8.1f} "
+              f"{med(rs, 'seconds'):>7.2f} {'/'.join(map(str, sorted(tokens))):>7} "
+              f"{med(rs, 'steps'):>6.0f} {med(rs, 'seqs') / med(rs, 'steps'):>9.1f} {per:>12} "
+              f"{rows:>9} {share:>15}")
+    changed = {r["tokens"] for (_, n), rs in runs.items() if n == "constrained" for r in rs}
+    if changed != {constrained_tokens}:
+        print(f"note: constrained runs made {sorted(changed)} tokens, the warm-up (whose "
+              f"lengths the length-matched runs use) {constrained_tokens}")
+
+    def ratio(async_scheduling, a, b):
+        return statistics.median(x["tps"] / y["tps"] for x, y in
+                                 zip(runs[async_scheduling, a], runs[async_scheduling, b]))
+
+    for async_scheduling in (True, False):
+        print(f"{'async' if async_scheduling else 'sync'}: constrained / unconstrained "
+              f"{ratio(async_scheduling, 'constrained', 'unconstrained'):.2f} (raw), "
+              f"constrained / length-matched "
+              f"{ratio(async_scheduling, 'constrained', 'length-matched'):.2f}")
 
 
 if __name__ == "__main__":

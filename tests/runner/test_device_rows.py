@@ -79,6 +79,29 @@ def test_dense_rows_go_whole_and_a_table_may_allow_both():
                                                                     ("entries", [2, 24, 24, 24])]
 
 
+def test_set_rows_sends_whole_only_the_rows_that_differ():
+    rows = placed(DeviceRows(5, (6,), np.uint32, ONES, row_buckets=(1, 4)))
+    new = np.full((3, 6), ONES, np.uint32)
+    new[0, 1] = 7  # slot 3 differs in one element; slot 0 stays all ones
+    new[2] = np.arange(6)  # slot 1 differs everywhere
+    rows.set_rows([3, 0, 1], new)
+    [u] = rows.updates()
+    assert (u.kind, u.index.tolist()) == ("rows", [1, 3, 6, 6])  # sorted, padded to 4 with R + 1
+    np.testing.assert_array_equal(u.values[:2], [new[2], new[0]])
+    rows.flush()
+    assert_device_is_mirror(rows)
+    rows.set_rows([3, 1], new[[0, 2]])  # as they are: nothing to send
+    assert not rows.has_pending
+    for slots, match in (([0, 0], "distinct"), ([5], r"slot must be in \[0, 5\)")):
+        with pytest.raises(ValueError, match=match):
+            rows.set_rows(slots, new[:len(slots)])
+
+    both = DeviceRows(3, (6,), np.int32, 0, entry_buckets=(4,), row_buckets=(1,))
+    both.set_rows([0, 1], [[0, 0, 5, 0, 0, 0], [1, 2, 3, 4, 5, 6]])  # chosen per row
+    assert [(u.kind, u.index.tolist()) for u in both.updates()] == [("rows", [1]),
+                                                                    ("entries", [2, 24, 24, 24])]
+
+
 def test_a_row_sent_whole_drops_its_earlier_entries():
     rows = DeviceRows(2, (6,), np.int32, 0, entry_buckets=(4,), row_buckets=(1,))
     rows.set(0, [0], [1])

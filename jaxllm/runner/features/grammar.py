@@ -46,8 +46,7 @@ class GrammarBitmask(StepFeature):
         if so.grammar_bitmask is None:
             return
         masks = np.asarray(so.grammar_bitmask).view(np.uint32)
-        for req_id, mask in zip(so.structured_output_request_ids, masks):
-            self.table.set_row(slot_of[req_id], mask)
+        self.table.set_rows([slot_of[r] for r in so.structured_output_request_ids], masks)
 
     def transform(self, site, layer, logits_SV, hooks):
         if site != "logits":
