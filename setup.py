@@ -1,5 +1,6 @@
-"""Builds the optional C++ libraries of jaxllm/kernels/csrc: the "cpu" attention backend and
-the "cpu" linear method (the GEMM on weights packed at load).
+"""Builds the optional C++ libraries of jaxllm/kernels/csrc: the "cpu" attention backend,
+the "cpu" linear method (the GEMM on weights packed at load) and the sampler's greedy top-1
+(jaxllm/kernels/cpu_argmax.py; without it the sampler uses top_k).
 
 Everything else about the package is in pyproject.toml. The extensions are optional: without
 a C++ compiler or jaxlib's FFI headers jaxllm still installs, the "cpu" backend and method
@@ -52,7 +53,8 @@ def extensions() -> list[Extension]:
         extra_link_args=["-pthread"],
         optional=True,
     ) for name, headers in (("cpu_attention", ("simd.h", "thread_pool.h")),
-                            ("cpu_gemm", ("thread_pool.h",)))]
+                            ("cpu_gemm", ("thread_pool.h",)),
+                            ("cpu_argmax", ("thread_pool.h",)))]
 
 
 setup(ext_modules=extensions())

@@ -8,8 +8,9 @@ A bf16 result must be exactly the f32 one rounded to nearest even (values are dr
 bf16's subnormals, which vcvtneps2bf16 flushes to zero).
 
 Shapes cross every edge of the kernel: rows against its 12-row micro-tiles and its 72-row
-chunks, columns against the 32-column panels (partial last panel, N < 32), odd K (the packing's
-zero pair), K = 1, sizes below and above the single-thread cut-off, and a subprocess with 3
+chunks (8-row tiles and 48-row chunks for bf16 with K > 1024), columns against the 32-column
+panels (partial last panel, N < 32), odd K (the packing's zero pair), K = 1, sizes below and
+above the single-thread cut-off, and a subprocess with 3
 pool threads (other work splits, the same bits).
 """
 
@@ -97,6 +98,8 @@ def test_matches_float64(dtype, M, K, N, seed):
     (64, 577, 200),       # odd K: the last k pairs with the packing's zero row
     (2, 576, 576),        # decode at SmolLM2's q/o shape: the pool splits the panels
     (200, 1536, 96),      # prefill-sized rows against few panels
+    (73, 1536, 40),       # bf16 K > 1024: 8-row micro-blocks, 6 of them per 48-row chunk
+    (5, 1025, 33),        # the first such K (odd), fewer rows than one block
 ])
 def test_edges(dtype, M, K, N):
     check(*inputs(M, K, N, DTYPES[dtype], seed=M * 1000 + K + N))
