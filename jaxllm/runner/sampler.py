@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.kernels.cpu_argmax import argmax_first_here as argmax_first
 from jaxllm.messages import LogprobsLists
 from jaxllm.runner.sampling_metadata import NO_TOKEN, PenaltyMetadata, SamplingMetadata
 from jaxllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
@@ -115,19 +116,6 @@ def sample(logits_SV: jax.Array, md: SamplingMetadata,
 
 
 sample_jit = jax.jit(sample, static_argnames=("logprobs_mode", "max_num_logprobs"))
-
-
-def argmax_first(x_SV: jax.Array) -> jax.Array:
-    """jnp.argmax over the last axis (the first index of the maximum), as top_k's index:
-    XLA:CPU runs argmax's (value, index) reduce unvectorized, 2x slower in the step at
-    [64, 49152] (7 ms against 3.5 ms). On the cpu platform, the C++ kernel
-    kernels/cpu_argmax.py (the same index, one read of the row: about 0.6 ms there)."""
-    from jaxllm.kernels import cpu_argmax
-    x_SV = x_SV.astype(jnp.float32)
-    if not cpu_argmax.available():
-        return cpu_argmax.argmax_first_reference(x_SV)
-    return jax.lax.platform_dependent(x_SV, cpu=cpu_argmax.argmax_first,
-                                      default=cpu_argmax.argmax_first_reference)
 
 
 def num_topk(max_num_logprobs: int, vocab: int) -> int:

@@ -10,6 +10,7 @@ masked tail) and rows shorter than one vector. The library's scalar loop is chec
 from __future__ import annotations
 
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +111,18 @@ def test_the_sampler_uses_it_on_cpu():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 100)).astype(np.float32))
     text = jax.jit(argmax_first).lower(x).as_text()
     assert cpu_argmax.TARGET in text and "topk" not in text.lower()
+
+
+def test_without_the_library_the_sampler_says_why_once_and_picks_the_same(monkeypatch):
+    from jaxllm.runner import sampler
+    missing = cpu_argmax.Availability(None, "the library is gone (test)")
+    monkeypatch.setattr(cpu_argmax, "available", lambda: missing)
+    cpu_argmax.warn_unavailable.cache_clear()
+    x_SV = jnp.asarray(np.random.default_rng(0).standard_normal((3, 50)), jnp.float32)
+    with pytest.warns(UserWarning, match=r"unavailable \(the library is gone \(test\)\)"):
+        first = sampler.argmax_first(x_SV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = sampler.argmax_first(x_SV)
+    cpu_argmax.warn_unavailable.cache_clear()
+    assert first.tolist() == second.tolist() == oracle(np.asarray(x_SV))
