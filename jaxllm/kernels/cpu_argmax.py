@@ -1,11 +1,11 @@
 """Greedy top-1 on CPU: a C++ XLA FFI call that reads each row of logits once.
 
-Owns: loading the library built from kernels/csrc/cpu_argmax.cc (setup.py), registering its
-handler with XLA once, `argmax_first` (float32 [S, V] -> int32 [S]) and
-`argmax_first_reference`, the same in plain XLA with the same signature: top_k's index,
+Owns: its library (opened through native_library.py), built from kernels/csrc/cpu_argmax.cc
+(setup.py), registering its handler with XLA once, `argmax_first` (float32 [S, V] -> int32 [S])
+and `argmax_first_reference`, the same in plain XLA with the same signature: top_k's index,
 whose order the kernel reproduces exactly (IEEE total order, so NaN and signed zeros too; the
-first index among equals). `available()` says whether the kernel can run here, and why not.
-Must never: be chosen on a platform other than cpu (`argmax_first_here` asks
+first index among equals). `available()` says whether the kernel can run here, and why not. Must
+never: be chosen on a platform other than cpu (`argmax_first_here` asks
 jax.lax.platform_dependent), or change which token greedy decoding picks.
 
 Why: XLA:CPU's top_k(x, 1) over [64, 49152] float32 took about 4 ms of a 100 ms decode step
@@ -17,43 +17,26 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
-import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels import native_library
+from jaxllm.kernels.native_library import Availability
+
 TARGET = "jaxllm_cpu_argmax_first"
 _LIB_STEM = "_cpu_argmax"
 
 
-class Availability:
-    """Whether the kernel can run here; `reason` says why not."""
-
-    def __init__(self, lib: ctypes.CDLL | None, reason: str):
-        self.lib, self.reason = lib, reason
-
-    def __bool__(self) -> bool:
-        return self.lib is not None
-
-
 @functools.cache
 def available() -> Availability:
-    here = os.path.dirname(os.path.abspath(__file__))
-    paths = [os.path.join(here, _LIB_STEM + s) for s in importlib.machinery.EXTENSION_SUFFIXES]
-    path = next((p for p in paths if os.path.exists(p)), None)
-    if path is None:
-        return Availability(None, f"the library {_LIB_STEM}*.so is not built next to {here} "
-                                  f"(reinstall jaxllm with a C++ compiler: pip install -e .)")
-    try:
-        lib = ctypes.CDLL(path)
-        lib.JaxllmCpuArgmaxFirst  # noqa: B018 -- the FFI handler must be exported
-    except (OSError, AttributeError) as e:
-        return Availability(None, f"{path} failed to load: {e}")
-    lib.JaxllmCpuArgmaxScalar.restype = ctypes.c_int32
-    lib.JaxllmCpuArgmaxScalar.argtypes = [ctypes.c_void_p, ctypes.c_long]
-    return Availability(lib, "")
+    lib = native_library.open_library(_LIB_STEM, native_library.find(_LIB_STEM),
+                                      "JaxllmCpuArgmaxFirst")
+    if lib:
+        lib.lib.JaxllmCpuArgmaxScalar.restype = ctypes.c_int32
+        lib.lib.JaxllmCpuArgmaxScalar.argtypes = [ctypes.c_void_p, ctypes.c_long]
+    return lib
 
 
 @functools.cache

@@ -1,11 +1,12 @@
 """Ragged paged attention as a C++ XLA FFI call on CPU (backend "cpu").
 
-Owns: loading the library built from kernels/csrc (setup.py), registering its handler with
-XLA once, and `ragged_paged_attention`, a validated wrapper with the signature and semantics
-of kernels/reference.py. `availability()` says whether the library loaded, and why not.
-Must never: be chosen when the library is missing (kernels/__init__.py falls back to "xla");
-be used under tensor parallelism (an FFI custom call is opaque to the SPMD partitioner, which
-would gather every sharded cache onto each device); read a causally invisible cache slot.
+Owns: its library (opened through native_library.py), built from kernels/csrc (setup.py),
+registering its handler with XLA once, and `ragged_paged_attention`, a validated wrapper with
+the signature and semantics of kernels/reference.py. `availability()` says whether the library
+loaded, and why not. Must never: be chosen when the library is missing (kernels/__init__.py
+falls back to "xla"); be used under tensor parallelism (an FFI custom call is opaque to the SPMD
+partitioner, which would gather every sharded cache onto each device); read a causally invisible
+cache slot.
 
 Work split (csrc/cpu_attention.cc). Each sequence's query rows are cut into tiles of up to
 16 rows; an item is one tile against a range of key blocks (16 key positions each), for all
@@ -41,50 +42,24 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.kernels import native_library
+from jaxllm.kernels.native_library import Availability
+
 TARGET = "jaxllm_ragged_paged_attention"
 _LIB_STEM = "_cpu_attention"
 
 
-class Availability:
-    """Whether the "cpu" backend can run here; `reason` says why not."""
-
-    def __init__(self, lib: ctypes.CDLL | None, reason: str):
-        self.lib, self.reason = lib, reason
-
-    def __bool__(self) -> bool:
-        return self.lib is not None
-
-
 def library_path() -> str | None:
-    """The built library next to this file (e.g. _cpu_attention.cpython-311-x86_64-linux-gnu.so),
-    or None."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = os.path.join(here, _LIB_STEM + suffix)
-        if os.path.exists(path):
-            return path
-    return None
+    return native_library.find(_LIB_STEM)
 
 
 def _load_library() -> Availability:
-    path = library_path()
-    if path is None:
-        return Availability(None, f"the library {_LIB_STEM}*.so is not built next to "
-                                  f"{os.path.dirname(os.path.abspath(__file__))} (reinstall "
-                                  f"jaxllm with a C++ compiler: pip install -e .)")
-    try:
-        lib = ctypes.CDLL(path)
-        lib.JaxllmRaggedPagedAttention  # noqa: B018 -- the FFI handler must be exported
-    except (OSError, AttributeError) as e:
-        return Availability(None, f"{path} failed to load: {e}")
-    return Availability(lib, "")
+    return native_library.open_library(_LIB_STEM, library_path(), "JaxllmRaggedPagedAttention")
 
 
 @functools.cache

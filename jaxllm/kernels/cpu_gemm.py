@@ -1,12 +1,12 @@
 """Dense GEMM on CPU as a C++ XLA FFI call, against weights packed once at load.
 
-Owns: loading the library built from kernels/csrc/cpu_gemm.cc (setup.py), registering its
-handler with XLA once, the packed weight layout (`pack`, `unpack`), `gemm`, a validated
-wrapper, and `gemm_reference`, the same product in plain XLA with the same signature.
-`availability(dtype)` says whether the kernel can run here for that dtype, and why not.
-Must never: be used under tensor parallelism (an FFI call is opaque to the SPMD partitioner);
-run a bf16 product on a CPU without AVX512-BF16 (the library is compiled for the machine that
-built it; a CPU without the instructions would fault).
+Owns: its library (opened through native_library.py), built from kernels/csrc/cpu_gemm.cc
+(setup.py), registering its handler with XLA once, the packed weight layout (`pack`, `unpack`),
+`gemm`, a validated wrapper, and `gemm_reference`, the same product in plain XLA with the same
+signature. `availability(dtype)` says whether the kernel can run here for that dtype, and why
+not. Must never: be used under tensor parallelism (an FFI call is opaque to the SPMD
+partitioner); run a bf16 product on a CPU without AVX512-BF16 (the library is compiled for the
+machine that built it; a CPU without the instructions would fault).
 
 Why: XLA:CPU (jaxlib 0.10) sends each dot to YNNPACK, whose bf16 kernel is vdpbf16ps too, but
 which packs the weight into its kernel's layout again on every call, every step (a full pass
@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
-import os
 
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels import native_library
+from jaxllm.kernels.native_library import Availability
 from jaxllm.models.dtype import cpu_flags
 
 TARGET = "jaxllm_cpu_gemm"
@@ -42,39 +42,16 @@ _LIB_STEM = "_cpu_gemm"
 _ISA_AVX512F, _ISA_AVX512_BF16 = 1, 2
 
 
-class Availability:
-    """Whether the kernel can run here for one dtype; `reason` says why not."""
-
-    def __init__(self, lib: ctypes.CDLL | None, reason: str):
-        self.lib, self.reason = lib, reason
-
-    def __bool__(self) -> bool:
-        return self.lib is not None
-
-
 def library_path() -> str | None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = os.path.join(here, _LIB_STEM + suffix)
-        if os.path.exists(path):
-            return path
-    return None
+    return native_library.find(_LIB_STEM)
 
 
 @functools.cache
 def _library() -> Availability:
-    path = library_path()
-    if path is None:
-        return Availability(None, f"the library {_LIB_STEM}*.so is not built next to "
-                                  f"{os.path.dirname(os.path.abspath(__file__))} (reinstall "
-                                  f"jaxllm with a C++ compiler: pip install -e .)")
-    try:
-        lib = ctypes.CDLL(path)
-        lib.JaxllmCpuGemm  # noqa: B018 -- the FFI handler must be exported
-        lib.JaxllmCpuGemmIsa.restype = ctypes.c_int
-    except (OSError, AttributeError) as e:
-        return Availability(None, f"{path} failed to load: {e}")
-    return Availability(lib, "")
+    lib = native_library.open_library(_LIB_STEM, library_path(), "JaxllmCpuGemm")
+    if lib:
+        lib.lib.JaxllmCpuGemmIsa.restype = ctypes.c_int
+    return lib
 
 
 @functools.cache
