@@ -16,14 +16,16 @@ goes out. Never parses text itself and never touches the engine.
 
 from __future__ import annotations
 
-from jaxllm.entrypoints.openai.tool_calls import ToolCallDelta, make_tool_call_id, tool_call
+from jaxllm.entrypoints.openai.tool_calls import (ToolCallDelta, delta_choices,
+                                                  make_tool_call_id, tool_call)
 from jaxllm.entrypoints.openai.tool_parsers import DeltaMessage, ToolParser
 
 
-def auto_tool_message(parser: ToolParser, text: str, finish_reason: str | None
+def auto_tool_message(reader: AutoToolCallReader, text: str, finish_reason: str | None
                       ) -> tuple[dict, str | None]:
-    """A finished output -> (its message, its finish_reason)."""
-    info = parser.extract_tool_calls(text)
+    """A finished output, read by a fresh reader's parser -> (its message, its
+    finish_reason)."""
+    info = reader.parser.extract_tool_calls(text)
     if not info.tools_called:
         return {"role": "assistant", "content": text}, finish_reason
     calls = [tool_call(make_tool_call_id(), c.name, c.arguments) for c in info.tool_calls]
@@ -67,24 +69,14 @@ class AutoToolCallReader:
 
 
 def auto_stream_choices(reader: AutoToolCallReader, c, logprobs) -> list[dict]:
-    """One streamed piece of output `c` (a CompletionOutput delta) -> the chunks' choices:
-    one per content or tool-call delta, the logprobs on the first, the finish on the last
-    (an empty delta if nothing is left to send); none while the parser holds text back."""
+    """One streamed piece of output `c` (a CompletionOutput delta) -> the chunks' choices
+    (tool_calls.delta_choices): one per content or tool-call delta; none while the parser
+    holds text back. Its finish_reason is "tool_calls" once a call was sent."""
     pieces = reader.feed(c.text)
     if c.finish_reason is not None:
         pieces += reader.finish()
-    choices = [{"index": c.index, "delta": _delta(piece), "logprobs": None,
-                "finish_reason": None, "stop_reason": None} for piece in pieces]
-    if not choices:
-        if c.finish_reason is None and logprobs is None:
-            return []
-        choices = [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None,
-                    "stop_reason": None}]
-    choices[0]["logprobs"] = logprobs
-    if c.finish_reason is not None:
-        choices[-1].update(finish_reason="tool_calls" if reader.called else c.finish_reason,
-                           stop_reason=c.stop_reason)
-    return choices
+    finish = "tool_calls" if reader.called and c.finish_reason is not None else c.finish_reason
+    return delta_choices(c, [_delta(piece) for piece in pieces], logprobs, finish)
 
 
 def _delta(piece: str | ToolCallDelta) -> dict:

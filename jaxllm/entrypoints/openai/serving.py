@@ -45,7 +45,7 @@ from jaxllm.entrypoints.openai.structured_request import (RequestConstraint, cha
 from jaxllm.entrypoints.openai.tool_calls import (stream_choices, tool_choice_message,
                                                   tool_reader)
 from jaxllm.entrypoints.openai.template_sandbox import TemplateSandbox
-from jaxllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
+from jaxllm.entrypoints.openai.tool_parsers import ToolParserManager
 from jaxllm.outputs import RequestOutput
 from jaxllm.value_ranges import INT32_MAX, ParameterError, Range
 
@@ -245,9 +245,19 @@ class OpenAIServing:
                                  f"is {self.max_model_len}, so {param} must be at most {room}.",
                                  param)
 
-    def auto_tool_parser(self, req: ChatCompletionRequest) -> ToolParser:
-        """A fresh parser (its own stream state) for one output of an "auto" request."""
-        return self.tool_parser_cls([t.model_dump(exclude_none=True) for t in req.tools])
+    def tool_call_reading(self, req: ChatCompletionRequest, constraint: RequestConstraint):
+        """How a request's outputs read back as tool calls: None (as plain text), or (a new
+        reader for one output, whole output -> (message, finish_reason), streamed delta ->
+        the chunks' choices). A named or "required" choice reads its constrained JSON; "auto"
+        has the --tool-call-parser read free text, each reader with its own parser."""
+        if constraint.makes_tool_calls:
+            return (lambda: tool_reader(constraint.tool_choice, constraint.tool_name),
+                    tool_choice_message, stream_choices)
+        if constraint.tool_choice == "auto":
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+            return (lambda: AutoToolCallReader(self.tool_parser_cls(tools)),
+                    auto_tool_message, auto_stream_choices)
+        return None
 
     async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
         template, constraint = self.check_chat(req)
@@ -274,15 +284,13 @@ class OpenAIServing:
             out = await _last(stream)
         finally:
             stream.close()
+        reading = self.tool_call_reading(req, constraint)
         choices = []
         for c in out.outputs:
             message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
-            if constraint.makes_tool_calls:
-                message, finish = tool_choice_message(
-                    tool_reader(constraint.tool_choice, constraint.tool_name), c.text, finish)
-            elif constraint.tool_choice == "auto":
-                message, finish = auto_tool_message(self.auto_tool_parser(req), c.text,
-                                                    finish)
+            if reading is not None:
+                new_reader, message_of, _ = reading
+                message, finish = message_of(new_reader(), c.text, finish)
             choices.append({"index": c.index, "message": message,
                             "logprobs": chat_logprobs(c, k), "finish_reason": finish,
                             "stop_reason": c.stop_reason})
@@ -293,13 +301,10 @@ class OpenAIServing:
 
     async def _stream_chat(self, stream, rid, created, model, req, k, constraint
                            ) -> AsyncIterator[str]:
-        readers, choices_of = None, stream_choices
-        if constraint.makes_tool_calls:
-            readers = {i: tool_reader(constraint.tool_choice, constraint.tool_name)
-                       for i in range(req.n)}
-        elif constraint.tool_choice == "auto":
-            readers = {i: AutoToolCallReader(self.auto_tool_parser(req)) for i in range(req.n)}
-            choices_of = auto_stream_choices
+        readers, reading = None, self.tool_call_reading(req, constraint)
+        if reading is not None:
+            new_reader, _, choices_of = reading
+            readers = {i: new_reader() for i in range(req.n)}
 
         def chunk(choices, usage=None):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,

@@ -221,20 +221,26 @@ def finish_reason_of(reader, finish_reason: str | None) -> str | None:
 
 def stream_choices(reader, c, logprobs) -> list[dict]:
     """One streamed output `c` (a CompletionOutput's delta) read as tool calls -> the
-    choices of the chunks it becomes: a chunk per delta
-    (the logprobs on the first), the finish on the last (an empty delta if none is left);
-    none for text that is no part of a call's header or arguments."""
-    choices = [{"index": c.index, "delta": {"tool_calls": [d.as_dict()]}, "logprobs": None,
-                "finish_reason": None, "stop_reason": None} for d in reader.feed(c.text)]
+    choices of the chunks it becomes (see `delta_choices`); none for text that is no part of
+    a call's header or arguments (`[{"name": ` between calls)."""
+    return delta_choices(c, [{"tool_calls": [d.as_dict()]} for d in reader.feed(c.text)],
+                         logprobs, finish_reason_of(reader, c.finish_reason))
+
+
+def delta_choices(c, deltas: list[dict], logprobs, finish_reason: str | None) -> list[dict]:
+    """The chunks' choices of one streamed output `c`: one per delta, the logprobs on the
+    first and `finish_reason` (when `c` finished) on the last, an empty delta carrying them
+    if no delta is left; none if there is nothing to carry."""
+    choices = [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None,
+                "stop_reason": None} for delta in deltas]
     if not choices:
         if c.finish_reason is None and logprobs is None:
-            return []  # text between calls (`[{"name": `): nothing a client sees
+            return []
         choices = [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None,
                     "stop_reason": None}]
     choices[0]["logprobs"] = logprobs
     if c.finish_reason is not None:
-        choices[-1].update(finish_reason=finish_reason_of(reader, c.finish_reason),
-                           stop_reason=c.stop_reason)
+        choices[-1].update(finish_reason=finish_reason, stop_reason=c.stop_reason)
     return choices
 
 
@@ -250,4 +256,4 @@ def tool_choice_message(reader, text: str, finish_reason: str | None
 
 __all__ = ["make_tool_call_id", "tool_call", "tool_call_delta", "tool_calls_message",
            "ToolCallDelta", "NamedToolCallReader", "RequiredToolCallReader", "tool_reader",
-           "finish_reason_of", "tool_choice_message", "stream_choices"]
+           "finish_reason_of", "tool_choice_message", "stream_choices", "delta_choices"]
