@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -116,6 +117,7 @@ def _own_flag(dest: str) -> dict:
     return dict(action=_Bool) if kind is _flag_bool else dict(type=kind)
 
 
+@functools.cache  # parsing never changes the parser: built once per process
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxllm", description="jaxllm: vLLM on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
