@@ -195,7 +195,8 @@ class EngineMetrics:
         self.histograms[name].observe(value)
 
     def record_prompt(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
-        """A request's prompt done (its first token out): where its tokens came from."""
+        """A prompt done (the first token of one of a request's `n` samples, each an engine
+        request as in vLLM): where its tokens came from."""
         self.prompt_tokens_by_source["local_compute"] += num_prompt_tokens - num_cached_tokens
         self.prompt_tokens_by_source["local_cache_hit"] += num_cached_tokens
 

@@ -196,9 +196,8 @@ class OutputProcessor:
         if out.new_prompt_logprobs is not None:
             self._add_prompt_logprobs(child, *out.new_prompt_logprobs)
         if out.new_token_ids:
-            if parent.metrics.first_token_time is None and self.metrics is not None:
-                self.metrics.record_prompt(len(parent.prompt_token_ids),
-                                           parent.num_cached_tokens)
+            if not child.token_ids and self.metrics is not None:  # this child's prompt is done
+                self.metrics.record_prompt(len(parent.prompt_token_ids), out.num_cached_tokens)
             self._token_times(parent.metrics, now)
         if out.new_logprobs is not None:
             child.logprobs.add_sample_logprobs(out.new_logprobs)

@@ -177,11 +177,17 @@ def install(app: FastAPI, options: FrontendOptions, *, engine, serving, model_na
 
 def tokenizer_config(tokenizer, chat_template: str | None) -> dict:
     """/tokenizer_info: the tokenizer's init arguments, JSON-safe, without file paths, and
-    its class (vLLM's TokenizerInfo)."""
+    its class (vLLM's TokenizerInfo); an added token reads as its content, except in
+    added_tokens_decoder, where each is its fields (content, special, ...)."""
     config = dict(getattr(tokenizer, "init_kwargs", None) or {})
     config.pop("vocab_file", None)
     config.pop("merges_file", None)
+    decoder = config.pop("added_tokens_decoder", None)
     config = _json_safe(config)
+    if decoder is not None:  # as tokenizer_config.json writes it: id -> the token's fields
+        config["added_tokens_decoder"] = {
+            str(i): t.__getstate__() if hasattr(t, "__getstate__") and hasattr(t, "content")
+            else _json_safe(t) for i, t in decoder.items()}
     config["tokenizer_class"] = type(tokenizer).__name__
     if chat_template:
         config["chat_template"] = chat_template
