@@ -113,3 +113,42 @@ def test_help_lists_the_flags_in_vllms_groups():
     lora = text[text.index("\nLoRAConfig:"):]
     assert lora.index("--enable-lora") < lora.index("--max-loras") < lora.index("\n\n")
     assert "--max-completion-prompts" in text[text.index("\njaxllm:"):]
+
+
+def test_serve_hands_the_flags_to_the_app_and_uvicorn(monkeypatch, caplog):
+    """`jaxllm serve` with the flags vLLM's entrypoint tests start their servers with: the
+    no-ops are logged once each, the rest reach build_app and uvicorn (no engine is built)."""
+    import uvicorn
+
+    import jaxllm.async_llm
+    from jaxllm.entrypoints import cli
+    from jaxllm.entrypoints.openai import api_server
+
+    seen = {}
+    monkeypatch.setattr(jaxllm.async_llm, "AsyncLLM", lambda config, use_tqdm: "ENGINE")
+    monkeypatch.setattr(api_server, "build_app", lambda engine, **kw: seen.update(app=kw))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(run=kw))
+    monkeypatch.setattr(cli, "_log_to_stderr", lambda: None)
+    monkeypatch.setattr(cli.gc, "freeze", lambda: None)
+    caplog.set_level("INFO", logger="jaxllm.serve")
+    cli.serve(["m", "--served-model-name", "a", "b", "--api-key", "k",
+               "--disable-frontend-multiprocessing", "--api-server-count", "1",
+               "--enable-chunked-prefill", "--show-hidden-metrics-for-version", "0.31",
+               "--enable-sleep-mode", "--enable-server-load-tracking",
+               "--enable-tokenizer-info-endpoint", "--enable-request-id-headers",
+               "--return-tokens-as-token-ids", "--enable-prompt-embeds",
+               "--shutdown-timeout", "0", "--disable-uvicorn-access-log",
+               "--root-path", "/llm", "--disable-fastapi-docs"])
+    assert sorted(r.getMessage().split(":")[0] for r in caplog.records) == [
+        "--api-server-count 1", "--disable-frontend-multiprocessing true",
+        "--enable-chunked-prefill true", "--show-hidden-metrics-for-version 0.31"]
+    app = seen["app"]
+    assert (app["served_model_names"], app["api_key"]) == (["a", "b"], ["k"])
+    frontend = app["frontend"]
+    assert (frontend.enable_sleep_mode, frontend.enable_server_load_tracking,
+            frontend.enable_tokenizer_info_endpoint, frontend.enable_request_id_headers,
+            frontend.return_tokens_as_token_ids, frontend.enable_prompt_embeds,
+            frontend.disable_fastapi_docs) == (True,) * 7
+    run = seen["run"]
+    assert (run["timeout_graceful_shutdown"], run["access_log"], run["root_path"]) == (
+        0.0, False, "/llm")
