@@ -10,18 +10,17 @@ memory back while no request runs, then take it again.
 wake_up(tags): "weights" and/or "kv_cache" (vLLM's tags; None: both). A fresh, zero KV cache
 comes back with "kv_cache"; the engine stays asleep until both are back.
 
-Owns only this state and the moves between device and host. Runs on the engine thread
-(through the engine loop's "call"), like every other touch of the engine. Never sleeps with
-requests in flight (it refuses), and never lets a step run while asleep: the front end
-refuses requests until wake_up (async_llm.py).
+Owns only this state and its rules; the moves of device arrays are the runner's
+(ModelRunner.release_device_memory / restore_device_memory, runner/device_sleep.py). Runs on the engine thread (through the engine loop's "call"), like
+every other touch of the engine. Never sleeps with requests in flight (it refuses), never
+imports jax, and never lets a step run while asleep: the front end refuses requests until
+wake_up (async_llm.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-
-import jax
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ class SleepMode:
         self.reload_state = reload_state
         self.level: int | None = None
         self.asleep: set[str] = set()  # the tags still asleep
-        self._host_state = None  # level 1: (host arrays, shardings) of the weights
+        self._host_weights = None  # level 1: the weights' host copy
 
     @property
     def is_sleeping(self) -> bool:
@@ -53,13 +52,8 @@ class SleepMode:
             return  # as vLLM: sleeping again is a no-op
         if not engine.reset_prefix_cache():  # the KV contents go: so do the cached prefixes
             raise ValueError("cannot sleep while KV blocks are held")
-        runner = engine.model_runner
-        jax.block_until_ready(jax.tree.leaves((runner.state, runner.kv_caches)))
-        if level == 1:
-            leaves = jax.tree.leaves(runner.state)
-            self._host_state = (jax.device_get(leaves), [a.sharding for a in leaves])
-        for array in jax.tree.leaves((runner.state, runner.kv_caches)):
-            array.delete()
+        self._host_weights = engine.model_runner.release_device_memory(
+            keep_weights_on_host=level == 1)
         self.level, self.asleep = level, set(WAKE_UP_TAGS)
         engine.metrics.sleep_level = level
         logger.info("sleeping at level %d: the weights' and the KV cache's device buffers "
@@ -70,28 +64,17 @@ class SleepMode:
         bad = [t for t in tags if t not in WAKE_UP_TAGS]
         if bad:
             raise ValueError(f"tags must be among {list(WAKE_UP_TAGS)}, got {bad[0]!r}")
-        runner = self.engine.model_runner
-        if "weights" in tags and "weights" in self.asleep:
-            runner.state = self._restore_weights(runner.state)
-            self.asleep.discard("weights")
-        if "kv_cache" in tags and "kv_cache" in self.asleep:
-            runner.reset_device_state()  # a zero cache; no request holds a block
-            self.asleep.discard("kv_cache")
+        weights = "weights" in tags and "weights" in self.asleep
+        kv_cache = "kv_cache" in tags and "kv_cache" in self.asleep
+        self.engine.model_runner.restore_device_memory(weights, kv_cache, self._host_weights,
+                                                       self.reload_state)
+        if weights:
+            self._host_weights = None
+        self.asleep -= {t for t, back in (("weights", weights), ("kv_cache", kv_cache)) if back}
         if not self.asleep:
             self.level = None
             self.engine.metrics.sleep_level = 0
             logger.info("awake: weights and KV cache are back on the device")
-
-    def _restore_weights(self, deleted_state):
-        if self._host_state is not None:  # level 1
-            host, shardings = self._host_state
-            self._host_state = None
-            restored = [jax.device_put(h, s) for h, s in zip(host, shardings)]
-            return jax.tree.unflatten(jax.tree.structure(deleted_state), restored)
-        state = self.reload_state()  # level 2
-        if jax.tree.structure(state) != jax.tree.structure(deleted_state):
-            raise RuntimeError("the checkpoint read at wake_up has another structure")
-        return state
 
 
 __all__ = ["SLEEP_LEVELS", "SleepMode", "WAKE_UP_TAGS"]

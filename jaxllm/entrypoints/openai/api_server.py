@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM.
 
 Owns the routes (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
-/health, /version, /metrics), API-key checks, the mapping of every failure to OpenAI's error
+/health, /version, /metrics; the optional ones of vLLM's flags are added by frontend.py),
+API-key checks, the mapping of every failure to OpenAI's error
 body with the right status (400 for bad input of any kind, never 422; 404 for an unknown
 model; 401 for a missing or wrong key; 500 for a request the engine failed, and for any other
 internal error, still as the error JSON and with the traceback logged; 503 when the engine is

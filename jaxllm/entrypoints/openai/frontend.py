@@ -117,8 +117,8 @@ def install(app: FastAPI, options: FrontendOptions, *, engine, serving, model_na
     """Add the optional routes and middlewares. model_name: the app's check of a request's
     `model` (404 for an unknown one); completions, chat_completions: the app's route
     functions; api_error(status, message, type, param): the app's error exception."""
-    if options.return_tokens_as_token_ids:
-        serving.return_tokens_as_token_ids = True
+    # The server default of the request field of the same name (serving reads it).
+    serving.return_tokens_as_token_ids = options.return_tokens_as_token_ids
 
     @app.get("/load")
     async def load():
