@@ -55,7 +55,11 @@ class _Bool(argparse.Action):
         super().__init__(option_strings, dest, nargs="?", **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        value = True if values is None else _flag_bool(values)
+        try:
+            value = True if values is None else _flag_bool(values)
+        except KeyError:
+            raise argparse.ArgumentError(self, f"expected true or false, got {values!r} (a "
+                                               "model goes first: jaxllm serve MODEL --flags)")
         setattr(namespace, self.dest, not value if option_string.startswith("--no-") else value)
 
 

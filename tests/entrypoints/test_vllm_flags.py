@@ -78,6 +78,12 @@ def test_refusals_name_the_flag_the_value_and_why():
         resolve_args(["-pp", "2"])
 
 
+def test_a_bool_flag_followed_by_a_word_says_what_it_expected(capsys):
+    with pytest.raises(SystemExit):
+        resolve_args(["--enable-sleep-mode", "some-model"])
+    assert "expected true or false, got 'some-model'" in capsys.readouterr().err
+
+
 def test_implemented_flags_and_vllm_spellings():
     server, engine = resolve_args([
         "--no-enable-prefix-caching", "-tp", "1", "--served-model-name", "a", "b",
