@@ -29,7 +29,7 @@ from jaxllm.entrypoints.openai.frontend import (PROMPT_EMBEDS_NEEDS_FLAG, Fronte
 
 OPTIONS = FrontendOptions(enable_request_id_headers=True, enable_server_load_tracking=True,
                           enable_tokenizer_info_endpoint=True, enable_prompt_embeds=True,
-                          enable_sleep_mode=True)
+                          enable_sleep_mode=True, allowed_origins=["http://ui.example"])
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +176,19 @@ def test_request_id_header(server):
     given, fresh = asyncio.run(two())
     assert given.headers["x-request-id"] == "my-id"
     assert re.fullmatch(r"[0-9a-f]{32}", fresh.headers["x-request-id"])
+
+
+def test_cors_answers_the_allowed_origin_only(server):
+    async def preflight(origin):
+        async with server.client() as client:
+            return await client.options("/v1/completions", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST"})
+
+    allowed = run_and_get(lambda: preflight("http://ui.example"))
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "http://ui.example"
+    refused = run_and_get(lambda: preflight("http://other.example"))
+    assert "access-control-allow-origin" not in refused.headers
 
 
 def test_server_load(server):
