@@ -169,13 +169,21 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's base64 torch.save tensors: refused by the server (entrypoints/openai/frontend.py)
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _prompt_given(self):
+        if self.prompt is None and self.prompt_embeds is None:
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -210,11 +218,21 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Body):
+    """vLLM's TokenizeCompletionRequest (prompt) and TokenizeChatRequest (messages) in one:
+    exactly one of the two is given. add_special_tokens: None is vLLM's default of each,
+    true for a prompt and false for messages (the template writes them)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):
