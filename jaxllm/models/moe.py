@@ -103,7 +103,7 @@ def expert_ffn(x_TD, weights_TK, ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
     y_RD = jax.lax.fori_loop(0, padded_end_E[-1] // B, block,
                              jnp.zeros((R, D), x_TD.dtype))
     y_TKD = y_RD[pair_row_P].reshape(T, K, D).astype(jnp.float32)
-    return jnp.einsum("tkd,tk->td", y_TKD, weights_TK.astype(jnp.float32))
+    return jnp.sum(y_TKD * weights_TK.astype(jnp.float32)[:, :, None], axis=1)
 
 
 def expert_ffn_reference(x_TD, weights_TK, ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD):

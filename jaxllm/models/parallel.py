@@ -118,8 +118,8 @@ class ParallelOps:
         split_f = P(None, None, TP_AXIS)
         return jax.shard_map(partial_sum, mesh=self._mesh,
                              in_specs=(P(), P(), P(), split_f, split_f, P(None, TP_AXIS, None)),
-                             out_specs=P())(x_TD, weights_TK, ids_TK, w_gate_EDF, w_up_EDF,
-                                            w_down_EFD)
+                             out_specs=P(), check_vma=False)(
+            x_TD, weights_TK, ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
     def row_parallel(self, linear, x_TF):
         """`linear` (models/layers.py Linear, kernel [F, D] split over F) applied to x_TF
