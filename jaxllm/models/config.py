@@ -122,7 +122,7 @@ class ModelConfig:
         max_pos = _optional_int(hf, "max_position_embeddings")
         max_pos = 2048 if max_pos is None else max_pos
         if hf.get("sliding_window") and hf.get("use_sliding_window", True) and \
-                arch == "MistralForCausalLM":
+                arch in ("MistralForCausalLM",) + _MOE_ARCHITECTURES:
             # Mistral v0.1 uses a 4096-token window; later Mistrals set it to null. We only
             # implement full attention, so limit the context to the window instead of
             # silently computing something else.

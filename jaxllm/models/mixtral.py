@@ -15,8 +15,8 @@ Checkpoint names, for layer i (per expert e, HF stores each Linear [out, in]):
     transformers >= 5 in memory (state_dict), either family:
                  model.layers.i.mlp.experts.gate_up_proj [E, 2F, D], .down_proj [E, D, F]
 
-all become model.layers.i.mlp.{gate.weight, experts.gate_proj [E, D, F],
-experts.up_proj [E, D, F], experts.down_proj [E, F, D]}.
+all become model.layers.i.mlp.{gate.weight, experts.gate_up_proj [E, D, 2, F] (gate,
+then up), experts.down_proj [E, F, D]}.
 """
 
 from __future__ import annotations
@@ -46,18 +46,18 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def adapt_checkpoint(cls, cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]
                          ) -> Iterator[tuple[str, np.ndarray]]:
         E = cfg.num_experts
-        pending: dict[str, dict[tuple[str, int], np.ndarray]] = {}
-        for name, tensor in tensors:
-            name = name.replace(".block_sparse_moe.", ".mlp.")
+        pending: dict[str, dict[tuple[str, int], tuple[str, np.ndarray]]] = {}
+        for stored, tensor in tensors:
+            name = stored.replace(".block_sparse_moe.", ".mlp.")
             fused = _FUSED.match(name)
             if fused and tensor.ndim == 3:
                 prefix, which = fused.groups()
                 if which == "down_proj":  # [E, D, F] -> [E, F, D]
                     yield f"{prefix}.down_proj", tensor.transpose(0, 2, 1)
-                else:  # [E, 2F, D]: gate rows, then up rows
-                    F = tensor.shape[1] // 2
-                    yield f"{prefix}.gate_proj", tensor[:, :F].transpose(0, 2, 1)
-                    yield f"{prefix}.up_proj", tensor[:, F:].transpose(0, 2, 1)
+                else:  # [E, 2F, D]: gate rows, then up rows -> [E, D, 2, F]
+                    E_, F2, D = tensor.shape
+                    yield (f"{prefix}.gate_up_proj",
+                           tensor.reshape(E_, 2, F2 // 2, D).transpose(0, 3, 1, 2))
                 continue
             one = _PER_EXPERT.match(name)
             if one is None:
@@ -65,16 +65,20 @@ class MixtralForCausalLM(LlamaForCausalLM):
                 continue
             prefix, e, which = one.group(1), int(one.group(2)), _OURS[one.group(3)]
             group = pending.setdefault(prefix, {})
-            group[(which, e)] = tensor
+            group[(which, e)] = (stored, tensor)
             if len(group) == 3 * E and all((w, i) in group for w in set(_OURS.values())
                                            for i in range(E)):
                 del pending[prefix]
-                for w in ("gate_proj", "up_proj", "down_proj"):  # each [out, in] -> [in, out]
-                    yield f"{prefix}.{w}", np.stack([group[(w, i)].T for i in range(E)])
-        # Incomplete expert sets: passed on under their own names, which the loader reports.
-        for prefix, group in pending.items():
-            for (w, e), tensor in sorted(group.items()):
-                yield f"{prefix}.{e}.{w}.weight", tensor
+                # Each [out, in] -> [in, out]; gate and up side by side on a new axis.
+                yield f"{prefix}.gate_up_proj", np.stack(
+                    [np.stack([group[("gate_proj", i)][1].T, group[("up_proj", i)][1].T],
+                              axis=1) for i in range(E)])
+                yield f"{prefix}.down_proj", np.stack(
+                    [group[("down_proj", i)][1].T for i in range(E)])
+        # Incomplete expert sets: passed on under their checkpoint names, which the loader
+        # reports as unexpected (and the stacked parameters as missing).
+        for group in pending.values():
+            yield from group.values()
 
 
 __all__ = ["MixtralForCausalLM"]

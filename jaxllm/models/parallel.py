@@ -104,22 +104,21 @@ class ParallelOps:
                             out_specs=P(), check_vma=False)(hidden_SD, w)
         return out[:, :vocab_size]
 
-    def moe_experts(self, expert_ffn, x_TD, weights_TK, ids_TK, w_gate_EDF, w_up_EDF,
-                    w_down_EFD):
-        """expert_ffn(x, weights, ids, w_gate, w_up, w_down) -> float32 [T, D] (models/moe.py)
+    def moe_experts(self, expert_ffn, x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD):
+        """expert_ffn(x, weights, ids, w_gate_up, w_down) -> float32 [T, D] (models/moe.py)
         over the expert weights split by F -> [T, D] whole, in x's dtype."""
         if self._mesh is None:
-            return expert_ffn(x_TD, weights_TK, ids_TK, w_gate_EDF, w_up_EDF,
+            return expert_ffn(x_TD, weights_TK, ids_TK, w_gate_up_ED2F,
                               w_down_EFD).astype(x_TD.dtype)
 
         def partial_sum(*args):
             return jax.lax.psum(expert_ffn(*args).astype(x_TD.dtype), TP_AXIS)
 
-        split_f = P(None, None, TP_AXIS)
         return jax.shard_map(partial_sum, mesh=self._mesh,
-                             in_specs=(P(), P(), P(), split_f, split_f, P(None, TP_AXIS, None)),
+                             in_specs=(P(), P(), P(), P(None, None, None, TP_AXIS),
+                                       P(None, TP_AXIS, None)),
                              out_specs=P(), check_vma=False)(
-            x_TD, weights_TK, ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+            x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD)
 
     def row_parallel(self, linear, x_TF):
         """`linear` (models/layers.py Linear, kernel [F, D] split over F) applied to x_TF

@@ -34,7 +34,7 @@ LOGICAL_AXES: list[tuple[str, tuple[str | None, ...]]] = [
     (r"mlp\.down_proj\.kernel$", ("mlp", "embed")),
     # Mixture of experts (models/moe.py): each expert split like a dense MLP; the router
     # and the shared-expert gate (a handful of columns) are replicated.
-    (r"mlp\.experts\.(gate|up)_proj$", ("expert", "embed", "mlp")),
+    (r"mlp\.experts\.gate_up_proj$", ("expert", "embed", None, "mlp")),
     (r"mlp\.experts\.down_proj$", ("expert", "mlp", "embed")),
     (r"mlp\.shared_expert\.(gate|up)_proj\.kernel$", ("embed", "mlp")),
     (r"mlp\.shared_expert\.down_proj\.kernel$", ("mlp", "embed")),

@@ -181,7 +181,8 @@ def test_model_type_picks_the_architecture_when_architectures_is_absent(
 def test_model_type_fallback_covers_exactly_the_registry():
     from jaxllm.models.registry import supported_architectures
 
-    assert sorted(MODEL_TYPE_ARCHITECTURES) == ["llama", "mistral", "qwen2", "qwen3"]
+    assert sorted(MODEL_TYPE_ARCHITECTURES) == ["llama", "mistral", "mixtral", "qwen2",
+                                                 "qwen2_moe", "qwen3", "qwen3_moe"]
     assert sorted(MODEL_TYPE_ARCHITECTURES.values()) == supported_architectures()
 
 

@@ -108,23 +108,65 @@ def test_expert_ffn_matches_all_experts_reference(T, skew):
     ids = np.stack([np.full(T, 5), np.full(T, 6)], 1) if skew else np.stack(
         [rng.permutation(E)[:K] for _ in range(T)])
     ws = [jnp.asarray(rng.standard_normal(s) * 0.2, jnp.float32)
-          for s in ((E, D, F), (E, D, F), (E, F, D))]
+          for s in ((E, D, 2, F), (E, F, D))]
     got = jax.jit(expert_ffn)(x, w, jnp.asarray(ids, jnp.int32), *ws)
     want = expert_ffn_reference(x, w, jnp.asarray(ids, jnp.int32), *ws)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
 def test_expert_ffn_never_multiplies_every_expert():
-    """In the optimized HLO every dot has B = block_rows rows (a block of one expert); none
-    spans the E experts or all T*K pairs."""
+    """In the optimized HLO there are two dots, each of B = block_rows rows (a block of one
+    expert: gate and up together, then down); none spans the E experts or all T*K pairs."""
     E, K, D, F, T = 8, 2, 32, 24, 64
     B = block_rows(T * K, E)
     args = (jnp.zeros((T, D)), jnp.zeros((T, K)), jnp.zeros((T, K), jnp.int32),
-            jnp.zeros((E, D, F)), jnp.zeros((E, D, F)), jnp.zeros((E, F, D)))
+            jnp.zeros((E, D, 2, F)), jnp.zeros((E, F, D)))
     hlo = jax.jit(expert_ffn).lower(*args).compile().as_text()
     dots = [line.split("=")[1].split("dot(")[0].strip() for line in hlo.splitlines()
             if " dot(" in line]
-    assert sorted(dots) == sorted([f"f32[{B},{F}]{{1,0}}"] * 2 + [f"f32[{B},{D}]{{1,0}}"])
+    assert sorted(dots) == sorted([f"f32[{B},{2 * F}]{{1,0}}", f"f32[{B},{D}]{{1,0}}"])
+
+
+def test_config_reads_each_family_and_rejects_bad_values():
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                num_attention_heads=4, moe_intermediate_size=16, num_experts_per_tok=2)
+    # Qwen's config.json says num_experts, transformers >= 5 num_local_experts.
+    for key in ("num_experts", "num_local_experts"):
+        cfg = ModelConfig.from_hf_config(dict(base, architectures=["Qwen3MoeForCausalLM"],
+                                              decoder_sparse_step=2, mlp_only_layers=[3],
+                                              **{key: 8}))
+        assert (cfg.num_experts, cfg.qk_norm, cfg.norm_topk_prob) == (8, True, False)
+        assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    cfg = ModelConfig.from_hf_config(dict(base, architectures=["Qwen2MoeForCausalLM"],
+                                          num_experts=4, shared_expert_intermediate_size=24))
+    assert (cfg.attention_bias, cfg.o_proj_bias, cfg.shared_expert_intermediate_size) == (
+        True, False, 24)
+    cfg = ModelConfig.from_hf_config(dict(base, architectures=["MixtralForCausalLM"],
+                                          num_local_experts=8))
+    assert (cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.is_moe_layer(0)) == (
+        48, True, True)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, num_experts=4\]"):
+        ModelConfig.from_hf_config(dict(base, architectures=["MixtralForCausalLM"],
+                                        num_local_experts=4, num_experts_per_tok=5))
+    with pytest.raises(ValueError, match="'mlp_only_layers' must be a list of layer indices"):
+        ModelConfig.from_hf_config(dict(base, architectures=["Qwen3MoeForCausalLM"],
+                                        num_experts=4, mlp_only_layers="0"))
+
+
+def test_incomplete_expert_set_is_named():
+    cfg = ModelConfig.from_hf_config(dict(
+        architectures=["MixtralForCausalLM"], vocab_size=16, hidden_size=8,
+        intermediate_size=4, num_hidden_layers=1, num_attention_heads=2,
+        num_local_experts=2, num_experts_per_tok=1))
+    p = "model.layers.0.block_sparse_moe.experts"
+    tensors = [(f"{p}.0.w1.weight", np.zeros((4, 8), np.float32)),
+               (f"{p}.0.w3.weight", np.zeros((4, 8), np.float32)),
+               (f"{p}.0.w2.weight", np.zeros((8, 4), np.float32))]
+    with pytest.raises(ValueError) as err:
+        load_params(cfg, tensors, jnp.float32)
+    msg = str(err.value)
+    assert "missing tensors: " in msg and "model.layers.0.mlp.experts.gate_up_proj" in msg
+    assert f"unexpected tensors: {p}.0.w1.weight, {p}.0.w2.weight, {p}.0.w3.weight" in msg
 
 
 # ---- through the engine ------------------------------------------------------------------
