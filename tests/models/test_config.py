@@ -200,7 +200,9 @@ def test_architectures_wins_over_model_type():
 _NO_CLASS = ("cannot pick a model class: config key 'architectures' is missing or empty and "
              "'model_type' {}; set 'architectures' or use a supported 'model_type': "
              "'llama' (LlamaForCausalLM), 'mistral' (MistralForCausalLM), "
-             "'qwen2' (Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM)")
+             "'mixtral' (MixtralForCausalLM), 'qwen2' (Qwen2ForCausalLM), "
+             "'qwen2_moe' (Qwen2MoeForCausalLM), 'qwen3' (Qwen3ForCausalLM), "
+             "'qwen3_moe' (Qwen3MoeForCausalLM)")
 
 
 @pytest.mark.parametrize("model_type, found", [
