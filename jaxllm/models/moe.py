@@ -23,11 +23,14 @@ SwiGLU FFN against its expert's weights:
                               block 0        block 1       block 2       block 3
 
 The padding rows ("--", a zero row) cost at most E*B extra rows; B is chosen per bucket as
-the power of two at or below P/E (between 8 and 64), so the work is at most about twice the
-active work and never E/k times it (measured at P=128, E=8, D=256, F=512: 2.7 ms against
-1.6 ms for the dense equivalent's MLP; gate and up as two products: 3.0 ms). Gathering the expert weights per block into one batched
-product instead was 3-10x slower (a copy of every block's weights); a static loop over
-experts is no faster and its program grows with E.
+the power of two at or below P/E (between 8 and 64), so once P/E >= 8 the rows multiplied
+are at most about twice the active ones, never E/k times. In smaller batches the blocks are
+mostly padding rows, but such a step is bound by reading weights, and only the chosen
+experts' weights are read. Measured (fastest of repeats, on a loaded 2-core machine) at
+P=128, E=8, D=256, F=512: 2.7 ms against 1.6 ms for the dense equivalent's MLP (gate and up
+as two products: 3.0 ms); gathering each block's expert weights into one batched product
+was 3-10x slower (a copy of the weights per block); an unrolled loop over experts was no
+faster, and its program grows with E.
 
 Under tensor parallelism each expert's FFN is split like a dense MLP (gate/up by columns of
 F, down by rows): `ParallelOps.moe_experts` runs `expert_ffn` per shard on F/tp columns and
