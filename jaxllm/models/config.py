@@ -139,9 +139,8 @@ class ModelConfig:
         if hf.get("sliding_window") and hf.get("use_sliding_window", True) and \
                 arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
             # Mistral v0.1 uses a 4096-token window (Phi-3-mini-4k 2047); later Mistrals set
-            # it to null. We only
-            # implement full attention, so limit the context to the window instead of
-            # silently computing something else.
+            # it to null. We only implement full attention, so limit the context to the
+            # window instead of silently computing something else.
             max_pos = min(max_pos, _required_int(hf, "sliding_window"))
         return cls(
             architecture=arch,

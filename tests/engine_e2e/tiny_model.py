@@ -46,10 +46,12 @@ def build_tiny_llama_dir(out_dir: str, tokenizer=None, seed: int = 0, **config_o
 def build_tiny_hf_dir(out_dir: str, config_cls: str, arch: str, tokenizer=None, seed: int = 0,
                       **config):
     """Write a seeded tiny HF model of class `arch` (any family) with the SmolLM2 tokenizer
-    into `out_dir`; -> the HF model (the float32 reference)."""
+    into `out_dir`; -> the HF model (the float32 reference). A `vocab_size` below the
+    tokenizer's keeps the model's first token ids only (prompts given as ids stay below it)."""
     tokenizer = tokenizer if tokenizer is not None else smollm2_tokenizer()
     os.makedirs(out_dir, exist_ok=True)
-    model = tiny_hf_model(config_cls, arch, seed, vocab_size=len(tokenizer),
+    vocab_size = config.pop("vocab_size", len(tokenizer))
+    model = tiny_hf_model(config_cls, arch, seed, vocab_size=vocab_size,
                           bos_token_id=tokenizer.bos_token_id,
                           eos_token_id=tokenizer.eos_token_id, **config)
     state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}

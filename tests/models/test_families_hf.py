@@ -5,7 +5,8 @@ within 1e-4 of HF's. Each family's loading quirks are in its config: OPT's narro
 embeddings (word_embed_proj_dim 32 against hidden 64, so project_in/out run) both pre- and
 post-norm; GPT-2's Conv1D layout, fused c_attn and scale_attn_by_inverse_layer_idx; Phi-3's
 fused qkv/gate_up, partial rotary, and LongRoPE with its long and its short factors (and the
-attention factor either way). Greedy tokens through the engine and TP=2 are
+attention factor either way). Half the cases run the "cpu" linear method (the engine's CPU
+default at TP=1), half "xla". Greedy tokens through the engine at TP=2 are
 tests/engine_e2e/test_e2e_families.py.
 """
 
@@ -19,7 +20,7 @@ from test_parity_hf import MAX_LEN, NUM_DECODE_STEPS, PROMPT_LENS, TOLERANCE, VO
 
 from jaxllm.models.config import LongRopeScaling, ModelConfig
 from jaxllm.models.registry import get_model_class
-from jaxllm.models.weights import load_params
+from jaxllm.models.weights import abstract_model, load_params
 
 _OPT = dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=80, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
@@ -37,27 +38,29 @@ def _longrope(original: int, partial: float = 0.75) -> dict:
                                   long_factor=[1.5 + i for i in range(pairs)]))
 
 
-# (name, config class, architecture, config, max_model_len told to the model or None)
+# (name, config class, architecture, config, max_model_len told to the model or None, linear
+# method: "cpu" is the C++ GEMM on packed weights, the engine's default on CPUs at TP=1)
 CASES = [
     ("opt_pre_norm", "OPTConfig", "OPTForCausalLM", dict(_OPT, do_layer_norm_before=True),
-     None),
+     None, "xla"),
     ("opt_post_norm", "OPTConfig", "OPTForCausalLM", dict(_OPT, do_layer_norm_before=False),
-     None),
+     None, "cpu"),
     ("gpt2", "GPT2Config", "GPT2LMHeadModel",
      dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=48,
-          scale_attn_by_inverse_layer_idx=True, bos_token_id=0, eos_token_id=0), None),
-    ("phi3", "Phi3Config", "Phi3ForCausalLM", _PHI3, None),
+          scale_attn_by_inverse_layer_idx=True, bos_token_id=0, eos_token_id=0), None, "cpu"),
+    ("phi3", "Phi3Config", "Phi3ForCausalLM", _PHI3, None, "xla"),
     # Every sequence of the schedule is longer than 4 tokens: HF picks the long factors.
-    ("phi3_longrope_long", "Phi3Config", "Phi3ForCausalLM", dict(_PHI3, **_longrope(4)), 256),
+    ("phi3_longrope_long", "Phi3Config", "Phi3ForCausalLM", dict(_PHI3, **_longrope(4)), 256,
+     "cpu"),
     # No sequence exceeds 48 (MAX_LEN is 41) and the engine serves at most 48: short factors.
     ("phi3_longrope_short", "Phi3Config", "Phi3ForCausalLM", dict(_PHI3, **_longrope(48, 1.0)),
-     48),
+     48, "xla"),
 ]
 
 
-@pytest.mark.parametrize("name,config_cls,arch,kwargs,max_model_len", CASES,
+@pytest.mark.parametrize("name,config_cls,arch,kwargs,max_model_len,linear", CASES,
                          ids=[c[0] for c in CASES])
-def test_logits_match_hf(name, config_cls, arch, kwargs, max_model_len):
+def test_logits_match_hf(name, config_cls, arch, kwargs, max_model_len, linear):
     hf = tiny_hf_model(config_cls, arch, seed=0, **kwargs)
     cfg = ModelConfig.from_hf_config(hf.config.to_dict())
     model = load_params(cfg, hf_numpy_state(hf).items(), jnp.float32)
@@ -73,12 +76,12 @@ def test_logits_match_hf(name, config_cls, arch, kwargs, max_model_len):
     refs = [hf_logits(hf, t) for t in tokens]
     assert min(float(np.std(r)) for r in refs) > 0.3, "degenerate reference logits"
 
-    results = run_paged(model, cfg, tokens, block_size=4, seed=7)
+    results = run_paged(model, cfg, tokens, block_size=4, seed=7, linear=linear)
     errors = []
     for logits, rows in results:
         assert np.isfinite(logits).all(), "NaN/inf in logits: a padding or unwritten slot leaked"
         errors.append(max(float(np.abs(logits[r] - refs[s][p]).max()) for s, p, r in rows))
-    print(f"\n[parity] {name}: prefill max abs err {errors[0]:.2e}, mixed chunked-prefill "
+    print(f"\n[parity] {name} ({linear}): prefill max abs err {errors[0]:.2e}, mixed chunked-prefill "
           f"step {errors[1]:.2e}, decode (8 steps) {max(errors[1:]):.2e}")
     assert max(errors) <= TOLERANCE, f"per-step errors {errors}"
 
@@ -118,7 +121,7 @@ def test_longrope_factor_count_must_match_the_rotated_dims():
                                                 long_factor=[2.0] * 5))
     with pytest.raises(ValueError, match="longrope short_factor has 5 entries; the model "
                                          "rotates 16 dims per head, so it needs 8"):
-        get_model_class(cfg)(cfg, rngs=__import__("flax").nnx.Rngs(0))
+        abstract_model(cfg, jnp.float32)
 
 
 def test_unknown_activation_is_named():
@@ -126,4 +129,4 @@ def test_unknown_activation_is_named():
              num_hidden_layers=1, num_attention_heads=4, activation_function="gelu_10")
     cfg = ModelConfig.from_hf_config(d)
     with pytest.raises(ValueError, match="hidden_act 'gelu_10' is not supported; supported: "):
-        get_model_class(cfg)(cfg, rngs=__import__("flax").nnx.Rngs(0))
+        abstract_model(cfg, jnp.float32)
