@@ -30,16 +30,18 @@ VOCAB = 512  # the SmolLM2 tokenizer's first 512 ids: a small LM head keeps the 
 ENGINE = dict(SMALL, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
               enable_prefix_caching=False)
 
+# One layer each (compile time grows with layers; what differs per layer is in the logits
+# tests).
 FAMILIES = {
     "opt": ("OPTConfig", "OPTForCausalLM", dict(
-        hidden_size=64, ffn_dim=80, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=64, ffn_dim=80, num_hidden_layers=1, num_attention_heads=4,
         max_position_embeddings=64, word_embed_proj_dim=32, do_layer_norm_before=False)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4,
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=1, n_head=4,
                                                    n_positions=64)),
     # Every prompt is longer than the original 4 positions and max_model_len 64 > 4: the
     # long factors, in HF and in the engine alike.
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
-        hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=64, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=4,
         pad_token_id=0,
         partial_rotary_factor=0.75,
