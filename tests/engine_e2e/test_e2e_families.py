@@ -22,8 +22,11 @@ from tiny_model import SMALL, build_tiny_hf_dir
 
 pytestmark = pytest.mark.slow
 
-PROMPT_LENS = (5, 23, 40)
-MAX_TOKENS = 8
+# With 16 tokens a step: [A5 B11] [A1 B10 C5] [A1 B1 C1] then decode rows of three, B and C
+# each split over steps (chunked prefill); max_tokens end all three on the same step, so
+# every step is a 16- or a 4-token bucket (fewer compiles).
+PROMPT_LENS = (5, 21, 6)
+MAX_TOKENS = (10, 9, 8)
 VOCAB = 512  # the SmolLM2 tokenizer's first 512 ids: a small LM head keeps the test cheap
 # No prefix caching: a repeated workload then runs the very same steps (with it, the repeat
 # would hit the cache and ask for other buckets, as it should).
@@ -68,7 +71,8 @@ _SCRIPT = textwrap.dedent("""
     from engine_e2e.test_e2e_warmup import jax_compile_events
     from jaxllm import LLM, SamplingParams
     assert len(jax.devices()) == 2, jax.devices()
-    greedy = SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in {max_tokens}]
     for name, (d, prompts) in json.loads(sys.argv[1]).items():
         llm = LLM(d, tensor_parallel_size=2, **{engine!r})
         inputs = [{{"prompt_token_ids": p}} for p in prompts]
@@ -77,8 +81,8 @@ _SCRIPT = textwrap.dedent("""
         tokens = run()
         with jax_compile_events() as events:
             again = run()
-        print(json.dumps(dict(name=name, tokens=tokens, again=again, compiles=dict(events))),
-              flush=True)
+        print(json.dumps(dict(name=name, tokens=tokens, again=again, compiles=dict(events),
+                              steps=llm.llm_engine.runner.num_compiles)), flush=True)
         del llm
 """)
 
@@ -94,9 +98,9 @@ def runs(tmp_path_factory, tokenizer):
                                **config)
         prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS]
         dirs[name] = (d, prompts)
-        want[name] = [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+        want[name] = [_hf_greedy(hf, p, n) for p, n in zip(prompts, MAX_TOKENS)]
     tests = os.path.dirname(os.path.dirname(__file__))
-    script = _SCRIPT.format(tests=tests, max_tokens=MAX_TOKENS, engine=ENGINE)
+    script = _SCRIPT.format(tests=tests, max_tokens=list(MAX_TOKENS), engine=ENGINE)
     proc = run_on_host_devices(["-c", script, json.dumps(dirs)], 2, timeout=900)
     got = {r["name"]: r for r in map(json.loads, (
         line for line in proc.stdout.splitlines() if line.startswith("{")))}
