@@ -133,6 +133,11 @@ class LLMEngine:
                 f"length ({mcfg.max_position_embeddings}); choose max_model_len <= "
                 f"{mcfg.max_position_embeddings}")
         self.config = config = config.resolved(mcfg.max_position_embeddings, accel)
+        # A network that depends on the context length served (Phi-3's LongRoPE factors) is
+        # told it before its step is compiled; optional, like a family's adapt_checkpoint.
+        configure = getattr(model, "configure_max_model_len", None)
+        if configure is not None:
+            configure(config.max_model_len)
         self.model_config = mcfg
         eos = self.tokenizer.eos_token_id
         gen_eos = gen.get("eos_token_id")

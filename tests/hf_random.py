@@ -9,6 +9,9 @@ summation order. torch is imported lazily (jaxllm itself never needs it).
 
 from __future__ import annotations
 
+import re
+
+_GPT2_NORM = re.compile(r"\.ln_(\d+|f)\.weight$")
 STD = 0.15
 NORM_STD = 0.1
 
@@ -24,7 +27,8 @@ def tiny_hf_model(config_cls_name: str, arch: str, seed: int, **config_kwargs):
     model = getattr(transformers, arch)(hf_cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            # GPT-2 names its LayerNorms ln_1, ln_2, ln_f.
+            if name.endswith("norm.weight") or _GPT2_NORM.search(name):
                 p.data.normal_(1.0, NORM_STD)
             else:
                 p.data.normal_(0.0, STD)

@@ -10,7 +10,10 @@ that opened the file adds its path.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
+
+from jaxllm.models.config_families import family_fields
 
 # config.json `model_type` -> the architecture HF's AutoModelForCausalLM builds for it; used
 # only when `architectures` is missing or null (configs written by hand or by old tools).
@@ -22,6 +25,9 @@ MODEL_TYPE_ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "opt": "OPTForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "phi3": "Phi3ForCausalLM",
 }
 
 # Architectures whose MLPs are mixtures of experts (models/moe.py), and what they read.
@@ -38,6 +44,18 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LongRopeScaling:
+    """Phi-3's LongRoPE (`rope_type` "longrope", formerly "su"): per-frequency divisors,
+    `short_factor` within the pretraining length and `long_factor` beyond it, and cos/sin
+    multiplied by `attention_factor` (HF's name; vLLM's short/long mscale)."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -49,7 +67,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LongRopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (always for Qwen2)
@@ -57,6 +75,19 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # Families beyond Llama (OPT, GPT-2, Phi-3; models/config_families.py reads their keys).
+    # Flags, not classes: the defaults are Llama's.
+    hidden_act: str = "silu"  # models/layers.py ACTIVATIONS
+    norm_type: str = "rms"  # "rms" | "layer" (LayerNorm with bias; eps = rms_norm_eps)
+    position_embedding: str = "rope"  # "rope" | "learned" (a table, positions + offset)
+    learned_position_offset: int = 0  # OPT's table starts 2 rows in
+    do_layer_norm_before: bool = True  # False: post-norm (OPT-350m)
+    mlp_bias: bool = False  # fc1/fc2 bias (OPT `enable_bias`, GPT-2)
+    word_embed_proj_dim: int | None = None  # OPT: embeddings narrower than hidden_size
+    final_norm: bool = True  # OPT post-norm has no final LayerNorm
+    attn_scale_by_head_dim: bool = True  # GPT-2 `scale_attn_weights`
+    attn_scale_by_inverse_layer_idx: bool = False  # GPT-2: scores / (layer index + 1)
+    partial_rotary_factor: float = 1.0  # rotate the first head_dim * factor dims only
     # Rows of the embedding and the LM head when tensor parallelism pads the vocabulary to
     # a multiple of its size (models/tp_layout.py); None: vocab_size. Logits keep vocab_size.
     padded_vocab_size: int | None = None
@@ -86,6 +117,14 @@ class ModelConfig:
         if self.num_experts and (self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1):
             raise ValueError(f"moe_intermediate_size and decoder_sparse_step must be >= 1, "
                              f"got {self.moe_intermediate_size}, {self.decoder_sparse_step}")
+        if self.norm_type not in ("rms", "layer"):
+            raise ValueError(f"norm_type must be 'rms' or 'layer', got {self.norm_type!r}")
+        if self.position_embedding not in ("rope", "learned"):
+            raise ValueError(f"position_embedding must be 'rope' or 'learned', got "
+                             f"{self.position_embedding!r}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
+                             f"{self.partial_rotary_factor}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -112,6 +151,7 @@ class ModelConfig:
         if not isinstance(hf, Mapping):
             raise ValueError(f"a model config must be a JSON object, got {type(hf).__name__}")
         arch = architecture_of(hf)
+        hf, family = family_fields(arch, hf)
         num_heads = _required_int(hf, "num_attention_heads")
         hidden = _required_int(hf, "hidden_size")
         # max(.., 1): a zero head count is reported by __post_init__ by name, not as a
@@ -121,11 +161,12 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         max_pos = _optional_int(hf, "max_position_embeddings")
         max_pos = 2048 if max_pos is None else max_pos
+        rope_scaling = _rope_scaling(hf, max_pos)  # LongRoPE reads the unclamped length
         if hf.get("sliding_window") and hf.get("use_sliding_window", True) and \
-                arch in ("MistralForCausalLM",) + _MOE_ARCHITECTURES:
-            # Mistral v0.1 uses a 4096-token window; later Mistrals set it to null. We only
-            # implement full attention, so limit the context to the window instead of
-            # silently computing something else.
+                arch in ("MistralForCausalLM", "Phi3ForCausalLM") + _MOE_ARCHITECTURES:
+            # Mistral v0.1 uses a 4096-token window (Phi-3-mini-4k 2047); later Mistrals set
+            # it to null. We only implement full attention, so limit the context to the
+            # window instead of silently computing something else.
             max_pos = min(max_pos, _required_int(hf, "sliding_window"))
         return cls(
             architecture=arch,
@@ -139,7 +180,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=_float(hf, "rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(hf),
-            rope_scaling=_rope_scaling(hf),
+            rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=_qkv_bias(arch, hf),
@@ -148,6 +189,10 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
             **_moe_fields(arch, hf),
+            hidden_act=hf.get("hidden_act") or "silu",
+            partial_rotary_factor=_float(hf, "partial_rotary_factor", 0.0) or _float(
+                _rope_params(hf), "partial_rotary_factor", 1.0, where="rope_parameters"),
+            **family,
         )
 
 
@@ -258,13 +303,17 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
     return _float(_rope_params(hf), "rope_theta", 10000.0, where="rope_parameters")
 
 
-def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
+def _rope_scaling(hf: Mapping[str, Any], max_pos: int
+                  ) -> RopeScaling | LongRopeScaling | None:
     rs = _rope_params(hf)
     kind = rs.get("rope_type") or rs.get("type")
     if kind in (None, "default"):
         return None
+    if kind in ("longrope", "su"):
+        return _long_rope(hf, rs, max_pos)
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: 'llama3')")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: 'llama3', "
+                         f"'longrope', 'su')")
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
                            "original_max_position_embeddings") if rs.get(k) is None]
     if missing:
@@ -276,3 +325,28 @@ def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
         high_freq_factor=_float(rs, "high_freq_factor", 0.0, where="rope_scaling"),
         original_max_position_embeddings=_required_int(rs, "original_max_position_embeddings"),
     )
+
+
+def _long_rope(hf: Mapping[str, Any], rs: Mapping[str, Any], max_pos: int) -> LongRopeScaling:
+    """LongRoPE as HF computes it: attention_factor when given, else from the context
+    extension factor (`factor`, else max_position_embeddings / original length)."""
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = rs.get(key)
+        if not isinstance(value, (list, tuple)) or not value or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) for f in value):
+            raise ValueError(f"longrope scaling needs {key!r}, a list of numbers, in "
+                             f"rope_parameters / rope_scaling; got {value!r}")
+        factors[key] = tuple(float(f) for f in value)
+    original = _optional_int(rs, "original_max_position_embeddings") or _optional_int(
+        hf, "original_max_position_embeddings")
+    if original is None:
+        raise ValueError("longrope scaling needs original_max_position_embeddings (in the "
+                         "config or in rope_parameters / rope_scaling)")
+    factor = _float(rs, "factor", 0.0, where="rope_scaling") or max_pos / original
+    attention = rs.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRopeScaling(factors["short_factor"], factors["long_factor"], original,
+                           _float({"attention_factor": attention}, "attention_factor", 1.0,
+                                  where="rope_scaling"))

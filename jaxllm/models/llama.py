@@ -11,6 +11,8 @@ Never reads global state.
 
 from __future__ import annotations
 
+import logging
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -21,6 +23,7 @@ from jaxllm.models.hooks import NO_HOOKS, StepHooks
 from jaxllm.models.layers import MLP, Attention, RMSNorm
 from jaxllm.models.parallel import ParallelOps
 
+logger = logging.getLogger(__name__)
 
 def dense_mlp(cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
     """Layer `layer`'s feed-forward block: Llama's gated MLP on every layer. A family with
@@ -81,6 +84,23 @@ class LlamaForCausalLM(nnx.Module):
                  hooks: StepHooks = NO_HOOKS):
         """-> (hidden [T, D], kv_caches)."""
         return self.model(md, kv_caches, ops, hooks)
+
+    def configure_max_model_len(self, max_model_len: int) -> None:
+        """Told once, before the step is compiled, the longest sequence the engine serves:
+        LongRoPE (Phi-3) picks its long or short factors by it, as vLLM does; a no-op
+        otherwise."""
+        ropes = set()
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, Attention) and module.rope is not None:
+                module.rope = module.rope.for_max_model_len(max_model_len)
+                ropes.add(module.rope)
+        for rope in ropes:
+            if rope.use_long:  # as vLLM warns: short prompts lose a little quality
+                logger.warning(
+                    "LongRoPE: using the long factors for every sequence, since max_model_len "
+                    "(%d) exceeds the original context (%d); set max_model_len <= %d for the "
+                    "short ones", max_model_len, rope.original_max_position_embeddings,
+                    rope.original_max_position_embeddings)
 
     def process_weights_after_loading(self, method: LinearMethod) -> None:
         """Store every dense weight in the form `method` multiplies (vLLM's name), once, after

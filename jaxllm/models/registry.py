@@ -7,10 +7,14 @@ Owns the set of supported architecture names. The architecture itself is chosen 
 from __future__ import annotations
 
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.gpt2 import GPT2LMHeadModel
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.mixtral import MixtralForCausalLM
+from jaxllm.models.opt import OPTForCausalLM
+from jaxllm.models.phi3 import Phi3ForCausalLM
 
 # Mistral, Qwen2 and Qwen3 are Llama with config flags (attention_bias, qk_norm): one class.
+# Phi-3 is Llama with its fused tensors split at load; GPT-2 is OPT with other names.
 _MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -20,6 +24,9 @@ _MODELS = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": MixtralForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

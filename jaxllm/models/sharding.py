@@ -40,6 +40,13 @@ LOGICAL_AXES: list[tuple[str, tuple[str | None, ...]]] = [
     (r"mlp\.shared_expert\.down_proj\.kernel$", ("mlp", "embed")),
     (r"mlp\.(gate|shared_expert_gate)\.kernel$", ("embed", None)),
     (r"(norm|layernorm)\.weight$", ("norm",)),
+    (r"mlp\.fc1\.kernel$", ("embed", "mlp")),  # OPT, GPT-2: fc1 column-, fc2 row-parallel
+    (r"mlp\.fc1\.bias$", ("mlp",)),
+    (r"mlp\.fc2\.kernel$", ("mlp", "embed")),
+    (r"mlp\.fc2\.bias$", ("embed",)),
+    (r"(norm|layernorm)\.(weight|bias)$", ("norm",)),
+    (r"embed_positions\.embedding$", (None, "embed")),  # learned positions: replicated
+    (r"project_(in|out)\.kernel$", (None, "embed")),  # OPT's small projections: replicated
     (r"^lm_head\.kernel$", ("embed", "vocab")),
 ]
 

@@ -38,22 +38,31 @@ def smollm2_tokenizer():
 def build_tiny_llama_dir(out_dir: str, tokenizer=None, seed: int = 0, **config_overrides) -> str:
     """Write a seeded tiny LlamaForCausalLM with the SmolLM2 tokenizer into `out_dir`
     (config_overrides replace TINY_CONFIG entries, e.g. head_dim=64 for the Pallas kernel)."""
+    build_tiny_hf_dir(out_dir, "LlamaConfig", "LlamaForCausalLM", tokenizer, seed,
+                      **{**TINY_CONFIG, **config_overrides})
+    return out_dir
+
+
+def build_tiny_hf_dir(out_dir: str, config_cls: str, arch: str, tokenizer=None, seed: int = 0,
+                      **config):
+    """Write a seeded tiny HF model of class `arch` (any family) with the SmolLM2 tokenizer
+    into `out_dir`; -> the HF model (the float32 reference). A `vocab_size` below the
+    tokenizer's keeps the model's first token ids only (prompts given as ids stay below it)."""
     tokenizer = tokenizer if tokenizer is not None else smollm2_tokenizer()
     os.makedirs(out_dir, exist_ok=True)
-    model = tiny_hf_model("LlamaConfig", "LlamaForCausalLM", seed, vocab_size=len(tokenizer),
+    vocab_size = config.pop("vocab_size", len(tokenizer))
+    model = tiny_hf_model(config_cls, arch, seed, vocab_size=vocab_size,
                           bos_token_id=tokenizer.bos_token_id,
-                          eos_token_id=tokenizer.eos_token_id,
-                          **{**TINY_CONFIG, **config_overrides})
-    config = model.config
+                          eos_token_id=tokenizer.eos_token_id, **config)
     state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
     save_file(state, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config.to_dict(), f, indent=1)
+        json.dump(model.config.to_dict(), f, indent=1)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": tokenizer.bos_token_id,
                    "eos_token_id": tokenizer.eos_token_id}, f)
     tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return model
 
 
 # ---- small helpers shared by the test modules ------------------------------------------

@@ -37,6 +37,14 @@ from jaxllm.sampling_params import SamplingParams
 
 NULL_BLOCK = 0
 
+# The supported `model_type` values as the loader's errors list them, written out by hand:
+# a new family must change this line (and the README's table) on purpose.
+SUPPORTED_MODEL_TYPES = (
+    "'gpt2' (GPT2LMHeadModel), 'llama' (LlamaForCausalLM), 'mistral' (MistralForCausalLM), "
+    "'mixtral' (MixtralForCausalLM), 'opt' (OPTForCausalLM), 'phi3' (Phi3ForCausalLM), "
+    "'qwen2' (Qwen2ForCausalLM), 'qwen2_moe' (Qwen2MoeForCausalLM), 'qwen3' "
+    "(Qwen3ForCausalLM), 'qwen3_moe' (Qwen3MoeForCausalLM)")
+
 
 class ShuffledBlockPool:
     """Hands out physical blocks 1..num_blocks-1 in a seeded random order (0 is the null block)."""

@@ -11,6 +11,8 @@ import pytest
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from helpers import SUPPORTED_MODEL_TYPES
+
 from jaxllm.models.config import MODEL_TYPE_ARCHITECTURES, ModelConfig, RopeScaling
 from jaxllm.models.layers import rope_inv_freq
 
@@ -151,7 +153,7 @@ def test_heads_not_divisible_by_kv_heads():
                                            num_key_value_heads=4))
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "linear", "dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["yarn", "linear", "dynamic"])
 def test_unsupported_rope_type(rope_type):
     d = hf_dict(rope_parameters=dict(rope_type=rope_type, rope_theta=1e4, factor=4.0))
     with pytest.raises(ValueError, match=f"'{rope_type}'.*llama3"):
@@ -181,8 +183,9 @@ def test_model_type_picks_the_architecture_when_architectures_is_absent(
 def test_model_type_fallback_covers_exactly_the_registry():
     from jaxllm.models.registry import supported_architectures
 
-    assert sorted(MODEL_TYPE_ARCHITECTURES) == ["llama", "mistral", "mixtral", "qwen2",
-                                                 "qwen2_moe", "qwen3", "qwen3_moe"]
+    assert sorted(MODEL_TYPE_ARCHITECTURES) == ["gpt2", "llama", "mistral", "mixtral", "opt",
+                                                 "phi3", "qwen2", "qwen2_moe", "qwen3",
+                                                 "qwen3_moe"]
     assert sorted(MODEL_TYPE_ARCHITECTURES.values()) == supported_architectures()
 
 
@@ -199,14 +202,11 @@ def test_architectures_wins_over_model_type():
 
 _NO_CLASS = ("cannot pick a model class: config key 'architectures' is missing or empty and "
              "'model_type' {}; set 'architectures' or use a supported 'model_type': "
-             "'llama' (LlamaForCausalLM), 'mistral' (MistralForCausalLM), "
-             "'mixtral' (MixtralForCausalLM), 'qwen2' (Qwen2ForCausalLM), "
-             "'qwen2_moe' (Qwen2MoeForCausalLM), 'qwen3' (Qwen3ForCausalLM), "
-             "'qwen3_moe' (Qwen3MoeForCausalLM)")
+             + SUPPORTED_MODEL_TYPES)
 
 
 @pytest.mark.parametrize("model_type, found", [
-    (None, "is missing"), ("gpt2", "is 'gpt2'"), ("Llama", "is 'Llama'"), (7, "is 7")])
+    (None, "is missing"), ("bloom", "is 'bloom'"), ("Llama", "is 'Llama'"), (7, "is 7")])
 def test_no_architectures_and_unknown_model_type(model_type, found):
     d = hf_dict(architectures=None)
     if model_type is not None:

@@ -21,7 +21,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from helpers import hf_logits, hf_numpy_state, prefill_logits, tiny_hf_model
+from helpers import (SUPPORTED_MODEL_TYPES, hf_logits, hf_numpy_state, prefill_logits,
+                     tiny_hf_model)
 
 from jaxllm.config import EngineConfig
 from jaxllm.models.config import ModelConfig
@@ -95,15 +96,16 @@ def test_rope_buffers_are_ignored(cfg, state):
 
 def test_unknown_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(
-        architectures=["GPT2LMHeadModel"], vocab_size=80, hidden_size=60, intermediate_size=64,
+        architectures=["BloomForCausalLM"], vocab_size=80, hidden_size=60, intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=6)))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
+    with pytest.raises(ValueError, match="BloomForCausalLM") as err:
         load_hf_dir(str(tmp_path), jnp.float32)
     assert str(err.value).startswith(f"{tmp_path / 'config.json'}: Model architecture ")
     for arch in supported_architectures():
         assert arch in str(err.value)
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-            "Qwen3ForCausalLM"} <= set(supported_architectures())
+            "Qwen3ForCausalLM", "OPTForCausalLM", "GPT2LMHeadModel",
+            "Phi3ForCausalLM"} <= set(supported_architectures())
 
 
 def test_nonexistent_directory_is_named(tmp_path):
@@ -200,10 +202,8 @@ _JSON_CASES = [
     ("config_no_architectures_no_model_type", "config.json",
      lambda cfg: _without("model_type")(_without("architectures")(cfg)),
      "{path}: cannot pick a model class: config key 'architectures' is missing or empty and "
-     "'model_type' is missing; set 'architectures' or use a supported 'model_type': 'llama' "
-     "(LlamaForCausalLM), 'mistral' (MistralForCausalLM), 'mixtral' (MixtralForCausalLM), "
-     "'qwen2' (Qwen2ForCausalLM), 'qwen2_moe' (Qwen2MoeForCausalLM), 'qwen3' "
-     "(Qwen3ForCausalLM), 'qwen3_moe' (Qwen3MoeForCausalLM)"),
+     "'model_type' is missing; set 'architectures' or use a supported 'model_type': "
+     + SUPPORTED_MODEL_TYPES),
     ("generation_config_truncated", "generation_config.json", b'{"temperature":',
      "{path} is not valid JSON: Expecting value: line 1 column 16 (char 15)"),
     ("index_truncated", "model.safetensors.index.json", b'{"weight_map": {',

@@ -11,7 +11,8 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import hf_logits, hf_numpy_state, prefill_logits, tiny_hf_model
+from helpers import (SUPPORTED_MODEL_TYPES, hf_logits, hf_numpy_state, prefill_logits,
+                     tiny_hf_model)
 
 from jaxllm.models.safetensors_io import save_file
 from jaxllm.models.weights import load_hf_dir
@@ -56,13 +57,12 @@ def test_no_architectures_loads_by_model_type(model_type, config_cls, arch, tmp_
 
 def test_unknown_model_type_without_architectures_names_the_file(tmp_path):
     hf_model = tiny_hf_model("LlamaConfig", "LlamaForCausalLM", seed=5, **_SIZES)
-    hf_config = {**hf_model.config.to_dict(), "model_type": "gpt2"}
+    hf_config = {**hf_model.config.to_dict(), "model_type": "bloom"}
     del hf_config["architectures"]
-    model_dir = _write_dir(tmp_path / "gpt2", hf_config, hf_numpy_state(hf_model))
+    model_dir = _write_dir(tmp_path / "bloom", hf_config, hf_numpy_state(hf_model))
     with pytest.raises(ValueError) as err:
         load_hf_dir(model_dir, jnp.float32)
     assert str(err.value) == (
         f"{model_dir}/config.json: cannot pick a model class: config key 'architectures' is "
-        f"missing or empty and 'model_type' is 'gpt2'; set 'architectures' or use a "
-        f"supported 'model_type': 'llama' (LlamaForCausalLM), 'mistral' (MistralForCausalLM), "
-        f"'qwen2' (Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM)")
+        f"missing or empty and 'model_type' is 'bloom'; set 'architectures' or use a "
+        f"supported 'model_type': {SUPPORTED_MODEL_TYPES}")

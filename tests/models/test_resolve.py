@@ -195,3 +195,17 @@ def test_missing_gguf_file_in_a_directory_is_named(tmp_path):
     with pytest.raises(FileNotFoundError) as err:
         load_model(resolved, None)
     assert str(err.value) == f"GGUF file {str(tmp_path / 'absent.gguf')!r} does not exist"
+
+
+def test_vllm_quickstart_model_offline_says_it_cannot_be_downloaded(tmp_path):
+    """vLLM's quickstart opens with LLM(model="facebook/opt-125m"): its architecture is
+    supported, but offline and uncached its weights are not here, and the error says so."""
+    from jaxllm import LLM
+    from jaxllm.models.registry import supported_architectures
+
+    assert "OPTForCausalLM" in supported_architectures()
+    with pytest.raises(FileNotFoundError) as err:
+        LLM(model="facebook/opt-125m")
+    assert str(err.value) == (
+        f"model 'facebook/opt-125m' is not a local path and is not in the Hugging Face cache "
+        f"({tmp_path / 'hub'}), and HF_HUB_OFFLINE is set, so it cannot be downloaded")
