@@ -150,6 +150,7 @@ class CpuBackend(BitsOnCpu):
     """The C++ kernel through XLA FFI (kernels/cpu_attention.py), when its library loads."""
 
     name, platforms = "cpu", ("cpu",)
+    supports_sliding_window = supports_logits_soft_cap = True
 
     def unavailable_reason(self, platform: str) -> str | None:
         from jaxllm.kernels import cpu_attention
