@@ -166,6 +166,7 @@ class PallasBackend(AttentionBackend):
     """The Pallas Triton kernel (kernels/paged_attention.py) on NVIDIA GPUs."""
 
     name, platforms = "pallas", ("gpu",)
+    supports_sliding_window = supports_logits_soft_cap = True
     interpret = False
 
     def attention_fn(self):
