@@ -92,6 +92,15 @@ def test_mistral_sliding_window_is_kept_not_a_context_cap():
     assert ModelConfig.from_hf_config(d).sliding_window is None
 
 
+def test_the_llama_family_frees_blocks_before_the_window():
+    # Every layer of these attends with the window: the KV cache manager may give back
+    # blocks before it (jaxllm/engine/kv_cache_manager.py).
+    from jaxllm.models.registry import kv_sliding_window
+    d = hf_dict("MistralForCausalLM", sliding_window=8)
+    assert kv_sliding_window(ModelConfig.from_hf_config(d)) == 8
+    assert kv_sliding_window(ModelConfig.from_hf_config(hf_dict())) is None
+
+
 @pytest.mark.parametrize("keys,want", [
     (dict(use_sliding_window=False, sliding_window=4096, max_window_layers=2), None),
     (dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), 64),
