@@ -109,7 +109,7 @@ WINDOWED = [
 
 
 @pytest.mark.parametrize("shape", WINDOWED, ids=["w23-cap-plain", "w40-split3"])
-@settings(max_examples=6, deadline=None,
+@settings(max_examples=5, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_window_and_soft_cap_match_float64(shape, data):
