@@ -154,7 +154,9 @@ def _attend_chunks(c_lo, c_hi, carry, *, masked, s, kvh, q, pos, kv_start, kv_en
         acc, m, l = carry  # [BM, D] f32, [BM] f32, [BM] f32
         kv = c * bn + lax.iota(jnp.int32, bn)  # [BN] key positions
         if masked:
-            kv_ok = (kv >= kv_start) & (kv < kv_end)  # [BN]
+            kv_ok = kv < kv_end  # [BN]
+            if st.sliding_window is not None:
+                kv_ok &= kv >= kv_start
             page = plgpu.load(bt_ref.at[s, kv // bs], mask=kv_ok, other=0)  # [BN]
             slot = page * bs + kv % bs
             kv_ok_2d = jnp.broadcast_to(kv_ok[:, None], (bn, d))
