@@ -42,6 +42,7 @@ from jaxllm.models.checkpoint import (checkpoint_hf_config, load_for_engine,
                                       read_checkpoint_config)
 from jaxllm.models.dtype import DTYPES, resolve_dtype
 from jaxllm.models.saved_state import StateKey, read_key, save_state
+from jaxllm.models.registry import kv_sliding_window
 from jaxllm.models.resolve import DEFAULT_MODEL, resolve_model
 from jaxllm.models.sharding import Placement, make_mesh
 from jaxllm.outputs import RequestOutput
@@ -188,7 +189,8 @@ class LLMEngine:
                                                tp=config.tensor_parallel_size, sizing=sizing))
         runner.initialize_kv_cache(num_blocks)
         kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.max_model_len,
-                                          enable_caching=config.enable_prefix_caching)
+                                          enable_caching=config.enable_prefix_caching,
+                                          sliding_window=kv_sliding_window(mcfg))
         scheduler = Scheduler(kv_cache_manager, config.max_num_seqs,
                               config.max_num_batched_tokens, config.max_model_len,
                               policy=config.scheduling_policy,

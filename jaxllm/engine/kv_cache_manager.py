@@ -8,6 +8,16 @@ scheduler) and never touches device memory.
 
 A request's block list covers its first `len(blocks) * block_size` token positions; token
 position p lives in slot `p % block_size` of block `blocks[p // block_size]`.
+
+Sliding window (`sliding_window` W: every layer of the model attends with it, as Mistral
+v0.1's). No token from position c on sees keys before c - W + 1, so once a request has
+computed c tokens its blocks wholly before that are given back (vLLM's sliding-window
+manager) and its list holds the null block in their place; the attention kernels never read
+pages before a window, and the runner's block table may keep the old ids:
+
+    block_size 4, W = 8, 14 tokens computed: the next token (position 14) sees keys 7..14
+      blocks  [null][ b2 ][ b3 ][ b4 ]      b1 (keys 0..3) freed; b2 holds key 7, kept
+    A freed block keeps its prefix-cache hash until it is evicted, like any freed block.
 """
 
 from __future__ import annotations
@@ -37,8 +47,11 @@ class CachedTail:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = True) -> None:
+                 enable_caching: bool = True, sliding_window: int | None = None) -> None:
         check_fits(num_blocks, block_size, max_model_len)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -134,7 +147,8 @@ class KVCacheManager:
         start = self.num_cached_blocks.get(request.request_id, 0)
         stop = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
         for i in range(start, stop):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+            if blocks[i] is not self.block_pool.null_block:  # not given back by the window
+                self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, stop)
 
     def reset_prefix_cache(self) -> bool:
@@ -164,6 +178,7 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        self.remove_skipped_blocks(request)
         num_computed = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
                         + (tail.num_tokens if tail is not None else 0))
         num_tokens = num_computed + num_new_tokens
@@ -188,6 +203,23 @@ class KVCacheManager:
         self.cache_blocks(request, num_tokens)
         return [block.block_id for block in added]
 
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Give back the request's blocks wholly before the sliding window of its next token
+        (position num_computed_tokens), the last of them first so its earliest (most
+        shareable) prefix is evicted last; the null block takes their places."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if self.sliding_window is None or not blocks:
+            return
+        first_seen = request.num_computed_tokens - self.sliding_window + 1
+        null = self.block_pool.null_block
+        skipped = []
+        for i in range(min(max(first_seen, 0) // self.block_size, len(blocks)) - 1, -1, -1):
+            if blocks[i] is null:
+                break  # given back at an earlier step, with everything before it
+            skipped.append(blocks[i])
+            blocks[i] = null
+        self.block_pool.free_blocks(skipped)
+
     def uncache_scheduled(self, request: Request) -> None:
         """The request's tokens scheduled this step will not be computed after all (it was
         preempted in the same step): blocks past its computed tokens, offered to the prefix
@@ -205,11 +237,12 @@ class KVCacheManager:
         tokens is offered to the prefix cache as a tail (block_pool.py)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if cache_tail and not uncache and self.enable_caching:
+            self._cache_tail(request, blocks)  # (never a block the window gave back)
+        held = [b for b in blocks if b is not self.block_pool.null_block]
         if uncache:
-            self.block_pool.uncache(blocks)
-        elif cache_tail and self.enable_caching:
-            self._cache_tail(request, blocks)
-        self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.uncache(held)
+        self.block_pool.free_blocks(reversed(held))
 
     def _cache_tail(self, request: Request, blocks: list[KVCacheBlock]) -> None:
         # Only known tokens: an async placeholder's K/V is in flight but its id is not here.

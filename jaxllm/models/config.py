@@ -101,6 +101,11 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on, sigmoid-gated expert
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Attention options. sliding_window: a query at position p sees keys (p - W, p] (HF's
+    # `sliding_window` where `use_sliding_window` does not turn it off: Mistral v0.1's 4096);
+    # in the Llama family every layer uses it (a family with a per-layer pattern applies it to
+    # its sliding layers). None: full causal attention.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -125,6 +130,8 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got "
                              f"{self.partial_rotary_factor}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -162,12 +169,6 @@ class ModelConfig:
         max_pos = _optional_int(hf, "max_position_embeddings")
         max_pos = 2048 if max_pos is None else max_pos
         rope_scaling = _rope_scaling(hf, max_pos)  # LongRoPE reads the unclamped length
-        if hf.get("sliding_window") and hf.get("use_sliding_window", True) and \
-                arch in ("MistralForCausalLM", "Phi3ForCausalLM") + _MOE_ARCHITECTURES:
-            # Mistral v0.1 uses a 4096-token window (Phi-3-mini-4k 2047); later Mistrals set
-            # it to null. We only implement full attention, so limit the context to the
-            # window instead of silently computing something else.
-            max_pos = min(max_pos, _required_int(hf, "sliding_window"))
         return cls(
             architecture=arch,
             vocab_size=_required_int(hf, "vocab_size"),
@@ -193,6 +194,7 @@ class ModelConfig:
             partial_rotary_factor=_float(hf, "partial_rotary_factor", 0.0) or _float(
                 _rope_params(hf), "partial_rotary_factor", 1.0, where="rope_parameters"),
             **family,
+            sliding_window=_sliding_window(hf),
         )
 
 
@@ -233,6 +235,26 @@ def _moe_fields(arch: str, hf: Mapping[str, Any]) -> dict:
                     if arch == "Qwen2MoeForCausalLM" else 0),
                 decoder_sparse_step=_optional_int(hf, "decoder_sparse_step") or 1,
                 mlp_only_layers=tuple(only))
+
+
+def _sliding_window(hf: Mapping[str, Any]) -> int | None:
+    """HF's window where every layer uses it, else None (Mistral v0.1: 4096; later Mistrals
+    and most Qwen2 configs: none). `use_sliding_window: false` turns it off (Qwen2/Qwen3); there
+    layers from `max_window_layers` on use it, as in transformers: all of them or none is
+    supported, a mix is a ValueError (as in vLLM)."""
+    window = _optional_int(hf, "sliding_window")
+    if not window or not hf.get("use_sliding_window", True):
+        return None
+    max_window_layers = _optional_int(hf, "max_window_layers")
+    if max_window_layers is None or max_window_layers <= 0:
+        return window
+    num_layers = _required_int(hf, "num_hidden_layers")
+    if max_window_layers >= num_layers:
+        return None  # transformers windows layers i >= max_window_layers: none here
+    raise ValueError(f"use_sliding_window with max_window_layers={max_window_layers} < "
+                     f"num_hidden_layers={num_layers} (a window on some layers only) is not "
+                     f"supported; set max_window_layers to 0 (every layer) or "
+                     f"{num_layers} (none)")
 
 
 def architecture_of(hf: Mapping[str, Any]) -> str:

@@ -245,6 +245,7 @@ class Attention(nnx.Module):
         self.sm_scale = 1.0 / math.sqrt(H) if cfg.attn_scale_by_head_dim else 1.0
         if cfg.attn_scale_by_inverse_layer_idx:
             self.sm_scale /= layer_idx + 1
+        self.sliding_window = cfg.sliding_window  # static: part of the graphdef
 
     def project_qk(self, x_TD, positions_T, ops):
         """The queries [T, N, H] and keys [T, K, H] attention compares, RoPE applied (also
@@ -268,6 +269,7 @@ class Attention(nnx.Module):
         v_TKH = ops.linear(self.v_proj, x_TD).reshape(T, self.num_kv_heads, self.head_dim)
         q_TNH, k_TKH = hooks.at("q", layer, q_TNH), hooks.at("k", layer, k_TKH)
         v_TKH = hooks.at("v", layer, v_TKH)
-        o_TNH, kv = ops.attention(q_TNH, k_TKH, v_TKH, kv, md, sm_scale=self.sm_scale)
+        o_TNH, kv = ops.attention(q_TNH, k_TKH, v_TKH, kv, md, sm_scale=self.sm_scale,
+                                  sliding_window=self.sliding_window)
         o_TNH = hooks.at("z", layer, o_TNH)
         return ops.row_parallel(self.o_proj, o_TNH.reshape(T, -1)), kv

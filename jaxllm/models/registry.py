@@ -41,3 +41,11 @@ def get_model_class(cfg: ModelConfig):
         raise ValueError(
             f"Model architecture {cfg.architecture!r} is not supported by jaxllm. "
             f"Supported architectures: {', '.join(supported_architectures())}") from None
+
+
+def kv_sliding_window(cfg: ModelConfig) -> int | None:
+    """The sliding window every layer of cfg's model attends with, or None: then the KV blocks
+    wholly before a request's window may be given back (engine/kv_cache_manager.py). The
+    Llama family applies cfg.sliding_window to every layer; a family with a per-layer pattern
+    (global layers read the whole context) must not be listed here."""
+    return cfg.sliding_window if get_model_class(cfg) is LlamaForCausalLM else None

@@ -87,3 +87,46 @@ def test_check_fits_rejects_nonpositive_sizes(kwargs):
     args = dict(num_blocks=8, block_size=4, max_model_len=16) | kwargs
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         check_fits(**args)
+
+
+def test_sliding_window_gives_back_blocks_before_it():
+    # block_size 4, window 8: once c tokens are computed, keys before c - 7 are never read.
+    kv = KVCacheManager(num_blocks=10, block_size=4, max_model_len=32, sliding_window=8)
+    a = make_request("a", 10)
+    assert kv.allocate_slots(a, 10) == [1, 2, 3]
+    a.num_computed_tokens = 10  # next token 10 sees keys 3..10: block 1 still needed
+    assert kv.allocate_slots(a, 2) == []
+    assert kv.get_block_ids("a") == [1, 2, 3]
+    a.num_computed_tokens = 12  # next token 12 sees keys 5..12: block 1 (keys 0..3) goes
+    assert kv.allocate_slots(a, 1) == [4]
+    assert kv.get_block_ids("a") == [0, 2, 3, 4]
+    assert free_ids(kv) == [5, 6, 7, 8, 9, 1]
+    a.num_computed_tokens = 21  # keys 14..21: blocks 2 and 3 go, the last one first
+    assert kv.allocate_slots(a, 2) == [5, 6]
+    assert kv.get_block_ids("a") == [0, 0, 0, 4, 5, 6]
+    assert free_ids(kv) == [7, 8, 9, 1, 3, 2]
+    kv.free(a)  # the null placeholders are not freed again
+    assert free_ids(kv) == [7, 8, 9, 1, 3, 2, 6, 5, 4]
+    assert kv.block_pool.null_block.ref_cnt == 0 and kv.num_free_blocks == 9
+
+
+def test_sliding_window_keeps_given_back_blocks_in_the_prefix_cache():
+    kv = KVCacheManager(num_blocks=10, block_size=4, max_model_len=32, sliding_window=4)
+    a = make_request("a", 13)
+    assert kv.allocate_slots(a, 13) == [1, 2, 3, 4]  # blocks 1..3 full: offered to the cache
+    a.num_computed_tokens = 13
+    kv.allocate_slots(a, 1)  # next token 13 sees keys 10..13: blocks 1, 2 go
+    assert kv.get_block_ids("a") == [0, 0, 3, 4]
+    # A new request with the same prompt still hits the freed blocks (their K/V is intact).
+    b = make_request("b", 13)
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert [blk.block_id for blk in hits] == [1, 2, 3] and num_hit == 12
+
+
+def test_no_window_keeps_every_block():
+    kv = KVCacheManager(num_blocks=10, block_size=4, max_model_len=32)
+    a = make_request("a", 20)
+    assert kv.allocate_slots(a, 20) == [1, 2, 3, 4, 5]
+    a.num_computed_tokens = 20
+    kv.allocate_slots(a, 1)
+    assert kv.get_block_ids("a") == [1, 2, 3, 4, 5, 6]

@@ -19,6 +19,10 @@ slot) it writes, the exact token prefix whose K/V the slot now holds. After ever
     the prefix whose K/V the block holds;
   * every live request's block hashes are those of its known tokens.
 
+Some machines run with a sliding window (KVCacheManager gives back blocks before it): the
+fake runner then checks only the positions a query's window reads, which must still hold the
+request's own prefix, so a block given back too soon fails.
+
 At the end everything drains, every block is free, and every request that ran to its
 length produced exactly the tokens the fake model gives.
 """
@@ -59,8 +63,9 @@ def reference(prompt: list[int], max_tokens: int, max_model_len: int) -> list[in
 
 
 class FakeRunner:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.tokens: dict[str, list[int]] = {}  # known + sampled by this runner
         self.block_ids: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
@@ -93,15 +98,17 @@ class FakeRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Every row's K/V is written before any row reads (as in the model step)."""
         self.update_states(out)
+        starts = {}
         for req_id, n in out.num_scheduled_tokens.items():
             tokens, start = self.tokens[req_id], self.num_computed[req_id]
+            starts[req_id] = start
             assert start + n <= len(tokens)  # placeholder rows read this runner's samples
             for p in range(start, start + n):
                 self.kv[self.slot(req_id, p)] = tuple(tokens[:p + 1])
             self.num_computed[req_id] = start + n
         sampled = []
         for req_id in out.num_scheduled_tokens:
-            self.check_reads(req_id)
+            self.check_reads(req_id, starts[req_id])
             tokens = self.tokens[req_id]
             if self.num_computed[req_id] == len(tokens):
                 tokens.append(next_token(tokens))
@@ -110,11 +117,13 @@ class FakeRunner:
                 sampled.append([])
         return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled)
 
-    def check_reads(self, req_id: str) -> None:
-        """Attention reads positions 0 .. num_computed - 1: each must hold this request's own
-        prefix (a wrong cache hit or a block shared by mistake fails here)."""
+    def check_reads(self, req_id: str, first_query: int) -> None:
+        """Attention reads positions 0 .. num_computed - 1 (with a sliding window, from the
+        first query's window on): each must hold this request's own prefix (a wrong cache
+        hit, a block shared by mistake or a block the window gave back too soon fails here)."""
         tokens = self.tokens[req_id]
-        for p in range(self.num_computed[req_id]):
+        first = 0 if self.sliding_window is None else max(0, first_query - self.sliding_window + 1)
+        for p in range(first, self.num_computed[req_id]):
             assert self.kv.get(self.slot(req_id, p)) == tuple(tokens[:p + 1]), (req_id, p)
 
 
@@ -122,15 +131,16 @@ class PrefixCachingMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), max_model_len=st.integers(6, 28),
                 extra_blocks=st.integers(0, 6), max_num_seqs=st.integers(1, 6),
                 budget=st.integers(1, 24), async_scheduling=st.booleans(),
-                enable_caching=st.sampled_from([True, True, True, False]))
+                enable_caching=st.sampled_from([True, True, True, False]),
+                sliding_window=st.sampled_from([None, None, 1, 3, 6]))
     def setup(self, block_size, max_model_len, extra_blocks, max_num_seqs, budget,
-              async_scheduling, enable_caching):
+              async_scheduling, enable_caching, sliding_window):
         self.block_size, self.max_model_len = block_size, max_model_len
         num_blocks = cdiv(max_model_len, block_size) + 1 + extra_blocks
         self.kv = KVCacheManager(num_blocks, block_size, max_model_len,
-                                 enable_caching=enable_caching)
+                                 enable_caching=enable_caching, sliding_window=sliding_window)
         self.sched = Scheduler(self.kv, max_num_seqs, budget, max_model_len)
-        self.runner = FakeRunner(block_size)
+        self.runner = FakeRunner(block_size, sliding_window)
         self.async_scheduling = async_scheduling
         self.pending: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         self.counter = itertools.count()
@@ -230,8 +240,9 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         if not hasattr(self, "kv"):
             return
         pool = self.kv.block_pool
+        # The null block stands in for blocks a sliding window gave back.
         holders = collections.Counter(b.block_id for blocks in self.kv.req_to_blocks.values()
-                                      for b in blocks)
+                                      for b in blocks if b is not pool.null_block)
         free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         assert len(free) == len(set(free)) == pool.num_free_blocks
         assert sorted(free + list(holders)) == list(range(1, pool.num_blocks))
@@ -253,6 +264,8 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         for req_id, blocks in self.kv.req_to_blocks.items():
             tokens = self.runner.tokens[req_id]
             for i in range(self.sched.requests[req_id].num_computed_tokens // bs):
+                if blocks[i] is self.kv.block_pool.null_block:
+                    continue  # given back by the sliding window
                 for off in range(bs):
                     p = i * bs + off
                     assert self.runner.kv.get((blocks[i].block_id, off)) == \
