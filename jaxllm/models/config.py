@@ -19,7 +19,21 @@ MODEL_TYPE_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",  # the text model of a config that nests a text_config
 }
+
+# The Gemma family (models/gemma.py) and HF's defaults for what a config.json may leave out.
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GEMMA_DEFAULTS = {
+    # architecture: (sliding-window layer period, attention softcap, final softcap)
+    "GemmaForCausalLM": (None, None, None),
+    "Gemma2ForCausalLM": (2, 50.0, 30.0),
+    "Gemma3ForCausalLM": (6, None, None),
+}
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` entries
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -51,6 +65,16 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # Gemma family (models/gemma.py); the defaults leave Llama as it is.
+    hidden_act: str = "silu"  # the gated MLP's activation (layers.ACTIVATIONS)
+    rms_norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP
+    query_pre_attn_scalar: float | None = None  # attention scale scalar ** -0.5 (else head_dim)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores c * tanh(s / c)
+    final_logit_softcapping: float | None = None  # Gemma 2/3: logits c * tanh(l / c)
+    sliding_window: int | None = None  # keys a query sees (its own included) on SLIDING layers
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; () with a window: all SLIDING
+    rope_local_theta: float | None = None  # RoPE base of the SLIDING layers (Gemma 3)
     # Rows of the embedding and the LM head when tensor parallelism pads the vocabulary to
     # a multiple of its size (models/tp_layout.py); None: vocab_size. Logits keep vocab_size.
     padded_vocab_size: int | None = None
@@ -68,6 +92,12 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers or
+                                 not set(self.layer_types) <= {SLIDING, FULL}):
+            raise ValueError(f"layer_types must name {self.num_hidden_layers} layers, each "
+                             f"{SLIDING!r} or {FULL!r}; got {list(self.layer_types)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
 
     @property
     def num_embeddings(self) -> int:
@@ -76,6 +106,22 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == SLIDING
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of layer `layer` (None: it attends to the whole context)."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(RoPE base, scaling) of layer `layer`: Gemma 3's sliding layers have their own
+        base, and no scaling."""
+        if self.rope_local_theta is not None and self.is_sliding(layer):
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> "ModelConfig":
@@ -86,6 +132,10 @@ class ModelConfig:
         if not isinstance(hf, Mapping):
             raise ValueError(f"a model config must be a JSON object, got {type(hf).__name__}")
         arch = architecture_of(hf)
+        if arch == "Gemma3ForCausalLM" and isinstance(hf.get("text_config"), Mapping):
+            # model_type "gemma3" (HF's multimodal config): the text model is in text_config.
+            hf = {**{k: hf[k] for k in ("bos_token_id", "eos_token_id") if k in hf},
+                  **hf["text_config"]}
         num_heads = _required_int(hf, "num_attention_heads")
         hidden = _required_int(hf, "hidden_size")
         # max(.., 1): a zero head count is reported by __post_init__ by name, not as a
@@ -95,6 +145,10 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         max_pos = _optional_int(hf, "max_position_embeddings")
         max_pos = 2048 if max_pos is None else max_pos
+        if arch in GEMMA_ARCHITECTURES:
+            gemma = _gemma_fields(arch, hf, _required_int(hf, "num_hidden_layers"))
+        else:
+            gemma = {}
         if hf.get("sliding_window") and hf.get("use_sliding_window", True) and \
                 arch == "MistralForCausalLM":
             # Mistral v0.1 uses a 4096-token window; later Mistrals set it to null. We only
@@ -112,15 +166,19 @@ class ModelConfig:
             num_key_value_heads=_optional_int(hf, "num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=_float(hf, "rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(hf),
-            rope_scaling=_rope_scaling(hf),
+            rope_theta=gemma.pop("rope_theta") if "rope_theta" in gemma else _rope_theta(hf),
+            # Gemma 3's per-layer-type rope_parameters are read by _gemma_rope.
+            rope_scaling=None if arch == "Gemma3ForCausalLM" else _rope_scaling(hf),
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # HF's default: tied for Gemma, untied for the Llama family.
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings",
+                                            arch in GEMMA_ARCHITECTURES)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             o_proj_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
+            **gemma,
         )
 
 
@@ -145,6 +203,69 @@ def architecture_of(hf: Mapping[str, Any]) -> str:
         f"cannot pick a model class: config key 'architectures' is missing or empty and "
         f"'model_type' {found}; set 'architectures' or use a supported 'model_type': "
         f"{supported}")
+
+
+def _gemma_fields(arch: str, hf: Mapping[str, Any], num_layers: int) -> dict:
+    """ModelConfig fields of a Gemma, Gemma 2 or Gemma 3 config.json (HF's defaults for keys
+    it leaves out)."""
+    period, attn_cap, final_cap = _GEMMA_DEFAULTS[arch]
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("config key 'use_bidirectional_attention' is true: only causal "
+                         "attention is supported")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act in ("gelu", "gelu_pytorch_tanh"):  # Gemma's "gelu" means the tanh form (HF too)
+        act = "gelu_pytorch_tanh"
+    else:
+        raise ValueError(f"config key 'hidden_activation' is {act!r}; Gemma models support "
+                         f"'gelu_pytorch_tanh'")
+    fields: dict[str, Any] = {"hidden_act": act, "rms_norm_unit_offset": True}
+    if period is None:  # Gemma (1): Llama's layout otherwise
+        return fields
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        period = _optional_int(hf, "sliding_window_pattern") or period
+        layer_types = [FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers)]
+    if not isinstance(layer_types, (list, tuple)):
+        raise ValueError(f"config key 'layer_types' must be a list, got {layer_types!r}")
+    rope = _gemma_rope(hf) if arch == "Gemma3ForCausalLM" else {"rope_theta": _rope_theta(hf)}
+    window = _optional_int(hf, "sliding_window")
+    fields.update(
+        sandwich_norms=True,
+        query_pre_attn_scalar=_float(hf, "query_pre_attn_scalar", 256.0),
+        # Gemma 3's config carries attn_logit_softcapping, but HF's and vLLM's Gemma 3 never
+        # apply it: neither do we.
+        attn_logit_softcapping=(_float(hf, "attn_logit_softcapping", 0.0) or None
+                                if arch == "Gemma2ForCausalLM" else None),
+        final_logit_softcapping=(_float(hf, "final_logit_softcapping", 0.0) or None
+                                 if "final_logit_softcapping" in hf else final_cap),
+        sliding_window=4096 if window is None else window,
+        layer_types=tuple(layer_types),
+        **rope)
+    if attn_cap is not None and "attn_logit_softcapping" not in hf:
+        fields["attn_logit_softcapping"] = attn_cap
+    return fields
+
+
+def _gemma_rope(hf: Mapping[str, Any]) -> dict:
+    """Gemma 3's two RoPE bases: global layers' (rope_theta) and sliding layers'
+    (rope_local_base_freq); transformers >= 5 nests them per layer type in rope_parameters."""
+    params = hf.get("rope_parameters") or {}
+    per_type = {}
+    for layer_type, key, default in ((FULL, "rope_theta", 1_000_000.0),
+                                     (SLIDING, "rope_local_base_freq", 10_000.0)):
+        nested = params.get(layer_type) if isinstance(params, Mapping) else None
+        if isinstance(nested, Mapping):
+            kind = nested.get("rope_type") or nested.get("type")
+            if kind not in (None, "default"):
+                raise ValueError(f"rope_parameters[{layer_type!r}] type {kind!r} is not "
+                                 f"supported for Gemma 3 (supported: 'default')")
+            per_type[layer_type] = _float(nested, "rope_theta", default, "rope_parameters")
+        else:
+            per_type[layer_type] = _float(hf, key, default)
+    if hf.get("rope_scaling"):
+        raise ValueError(f"config key 'rope_scaling' ({hf['rope_scaling']!r}) is not "
+                         f"supported for Gemma 3")
+    return {"rope_theta": per_type[FULL], "rope_local_theta": per_type[SLIDING]}
 
 
 def _optional_int(hf: Mapping[str, Any], key: str) -> int | None:

@@ -3,10 +3,13 @@
 Letters: T tokens, D model dim, N query heads, K kv heads, H head dim, F mlp dim.
 Norms and RoPE angles are computed in float32 whatever the parameter dtype: in bf16 the
 variance of a 4k-wide row and angles at position ~8k lose too many bits, and HF does the same.
+Per-layer attention options (a sliding window, its own RoPE base, soft-capped scores) are read
+from ModelConfig at construction (`ModelConfig.layer_*`), so a layer's step is static.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -20,16 +23,28 @@ from jaxllm.models.hooks import NO_HOOKS, StepHooks
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))  # [dim]
+    """unit_offset: Gemma's norm, which scales by (1 + weight) (checkpoints store weight)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, unit_offset: bool = False):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if unit_offset
+                                else jnp.ones((dim,), dtype))  # [dim]
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
         y = x32 * jax.lax.rsqrt(var + self.eps)
+        if self.unit_offset:
+            # Gemma (HF): the scale multiply in float32 too, and only then the cast.
+            return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         # HF casts back to the input dtype before the weight multiply; match it bit for bit.
         return self.weight[...] * y.astype(x.dtype)
+
+
+def rms_norm(cfg: ModelConfig, dim: int, dtype) -> RMSNorm:
+    """The family's RMSNorm over `dim` (Gemma's (1 + weight) when the config says so)."""
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype=dtype, unit_offset=cfg.rms_norm_unit_offset)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -77,21 +92,34 @@ def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> Linear:
                   preferred_element_type=jnp.float32, rngs=rngs)
 
 
+# ModelConfig.hidden_act -> the gate's activation (HF's names; GeGLU is Gemma's gelu tanh).
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
 class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu tanh)."""
+
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         D, F = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = _linear(D, F, False, dtype, rngs)
         self.up_proj = _linear(D, F, False, dtype, rngs)
         self.down_proj = _linear(F, D, False, dtype, rngs)
+        self.hidden_act = cfg.hidden_act
 
     def __call__(self, x_TD, ops):
         """ops: models/parallel.py ParallelOps (down_proj's input is split over devices)."""
-        h_TF = jax.nn.silu(ops.linear(self.gate_proj, x_TD)) * ops.linear(self.up_proj, x_TD)
+        act = ACTIVATIONS[self.hidden_act]
+        h_TF = act(ops.linear(self.gate_proj, x_TD)) * ops.linear(self.up_proj, x_TD)
         return ops.row_parallel(self.down_proj, h_TF)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    """layer: the layer's index, for its per-layer options (window, RoPE base)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, layer: int = 0):
         D, N, K, H = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                       cfg.head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
@@ -100,13 +128,20 @@ class Attention(nnx.Module):
         self.v_proj = _linear(D, K * H, cfg.attention_bias, dtype, rngs)
         self.o_proj = _linear(N * H, D, cfg.o_proj_bias, dtype, rngs)
         if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k, before RoPE
-            self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
+            self.q_norm = rms_norm(cfg, H, dtype)
+            self.k_norm = rms_norm(cfg, H, dtype)
         else:
             self.q_norm = self.k_norm = None
         # A tuple of floats: static (part of the graphdef), baked into the step as a constant.
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling))
-        self.sm_scale = 1.0 / math.sqrt(H)
+        theta, scaling = cfg.layer_rope(layer)
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(H, theta, scaling))
+        # Gemma 2/3 scale scores by query_pre_attn_scalar ** -0.5 (head_dim by default).
+        self.sm_scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar or H)
+        # The attention options the backend is asked for (kernels/backends.py), only those
+        # set; (name, value) pairs: static, like inv_freq.
+        self.attention_options = tuple((key, value) for key, value in (
+            ("sliding_window", cfg.layer_sliding_window(layer)),
+            ("logits_soft_cap", cfg.attn_logit_softcapping)) if value is not None)
 
     def project_qk(self, x_TD, positions_T, ops):
         """The queries [T, N, H] and keys [T, K, H] attention compares, RoPE applied (also
@@ -129,6 +164,7 @@ class Attention(nnx.Module):
         v_TKH = ops.linear(self.v_proj, x_TD).reshape(T, self.num_kv_heads, self.head_dim)
         q_TNH, k_TKH = hooks.at("q", layer, q_TNH), hooks.at("k", layer, k_TKH)
         v_TKH = hooks.at("v", layer, v_TKH)
-        o_TNH, kv = ops.attention(q_TNH, k_TKH, v_TKH, kv, md, sm_scale=self.sm_scale)
+        o_TNH, kv = ops.attention(q_TNH, k_TKH, v_TKH, kv, md, sm_scale=self.sm_scale,
+                                  **dict(self.attention_options))
         o_TNH = hooks.at("z", layer, o_TNH)
         return ops.row_parallel(self.o_proj, o_TNH.reshape(T, -1)), kv

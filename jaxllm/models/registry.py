@@ -7,6 +7,7 @@ Owns the set of supported architecture names. The architecture itself is chosen 
 from __future__ import annotations
 
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
 
 # Mistral, Qwen2 and Qwen3 are Llama with config flags (attention_bias, qk_norm): one class.
@@ -15,6 +16,10 @@ _MODELS = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # Gemma 2 and 3 are Gemma with config flags (sandwich norms, soft-caps, windows).
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 
