@@ -61,8 +61,8 @@ def saved_tokenizer(directory: str) -> transformers.PreTrainedTokenizerFast:
 def tokenizer_from_gguf(gguf_path: str, reader: Any = None) -> transformers.PreTrainedTokenizerFast:
     """Build the fast tokenizer a GGUF file describes (no torch).
 
-    reader: an already open `gguf.GGUFReader` of the same file, to share with the weight loader
-    (building one parses every metadata string and takes seconds).
+    reader: the same file already open (models/gguf.py `open_gguf`), to share with the weight
+    loader.
     """
     # Imported here: the converter module pulls in several tokenizer classes we only need for GGUF.
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
@@ -93,9 +93,7 @@ def read_gguf_tokenizer_metadata(
     if reader is None:
         reader = open_gguf(gguf_path)  # a corrupt file raises an error that names it
 
-    def value(key: str) -> Any:
-        field = reader.fields.get(key)
-        return None if field is None else field.contents()
+    value = reader.get
 
     architecture = value("general.architecture")
     grouped: dict[str, dict[str, Any]] = {}
