@@ -42,7 +42,10 @@ class AttentionBackend:
 
     name: str = ""
     platforms: tuple[str, ...] = ()  # jax platforms it runs on ("cpu", "gpu")
+    # Attention options (keyword-only, static; see kernels/reference.py): a backend that
+    # lacks one refuses it (`check_options`) rather than attend in full.
     supports_sliding_window: bool = False
+    supports_logits_soft_cap: bool = False
     # Under tensor parallelism: (q, k_new, v_new, (k_cache, v_cache), metadata) -> specs.
     per_shard_specs = (_HEADS, _HEADS, _HEADS, (_CACHE, _CACHE), _WHOLE)
     per_shard_out_specs = (_HEADS, (_CACHE, _CACHE))
@@ -61,14 +64,43 @@ class AttentionBackend:
         """The kernel, with the signature of kernels/reference.py."""
         raise NotImplementedError
 
-    def write_and_attend(self, q_TNH, k_TKH, v_TKH, kv, md, *, sm_scale):
+    def check_options(self, *, sliding_window=None, logits_soft_cap=None) -> dict:
+        """The attention options as the kernel's keywords (only those set); a ValueError
+        naming this backend and the option when it lacks one or the value is out of range."""
+        options = {}
+        if sliding_window is not None:
+            if not self.supports_sliding_window:
+                raise ValueError(f'attention backend "{self.name}" does not support '
+                                 f"sliding_window (got {sliding_window})")
+            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
+                    or sliding_window < 1:
+                raise ValueError(f"sliding_window must be an int >= 1 or None, got "
+                                 f"{sliding_window!r}")
+            options["sliding_window"] = sliding_window
+        if logits_soft_cap is not None:
+            if not self.supports_logits_soft_cap:
+                raise ValueError(f'attention backend "{self.name}" does not support '
+                                 f"logits_soft_cap (got {logits_soft_cap})")
+            if isinstance(logits_soft_cap, bool) or \
+                    not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap > 0:
+                raise ValueError(f"logits_soft_cap must be a float > 0 or None, got "
+                                 f"{logits_soft_cap!r}")
+            options["logits_soft_cap"] = float(logits_soft_cap)
+        return options
+
+    def write_and_attend(self, q_TNH, k_TKH, v_TKH, kv, md, *, sm_scale, sliding_window=None,
+                         logits_soft_cap=None):
         """Write this step's K/V rows into the cache, then attend (one device's heads).
+        sliding_window / logits_soft_cap: see kernels/reference.py (static Python values).
         -> (o [T, N, H], (k_cache, v_cache))."""
+        options = self.check_options(sliding_window=sliding_window,
+                                     logits_soft_cap=logits_soft_cap)
         k_cache, v_cache = kv
         k_cache = write_kv(k_cache, k_TKH, md.slot_mapping)
         v_cache = write_kv(v_cache, v_TKH, md.slot_mapping)
         o_TNH = self.attention_fn()(q_TNH, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                    md.query_start_loc, md.num_seqs, sm_scale=sm_scale)
+                                    md.query_start_loc, md.num_seqs, sm_scale=sm_scale,
+                                    **options)
         return o_TNH, (k_cache, v_cache)
 
     def __repr__(self) -> str:
@@ -107,6 +139,7 @@ class XlaBackend(BitsOnCpu):
     """Pure XLA, work in proportion to each sequence's context (kernels/xla_attention.py)."""
 
     name, platforms = "xla", ("cpu", "gpu", "tpu")
+    supports_sliding_window = supports_logits_soft_cap = True
 
     def attention_fn(self):
         from jaxllm.kernels.xla_attention import ragged_paged_attention
@@ -209,8 +242,13 @@ class AttentionLayer:
     backend: AttentionBackend
     mesh: jax.sharding.Mesh | None = None
 
-    def __call__(self, q_TNH, k_TKH, v_TKH, kv, md, *, sm_scale):
-        fn = functools.partial(self.backend.write_and_attend, sm_scale=sm_scale)
+    def __call__(self, q_TNH, k_TKH, v_TKH, kv, md, *, sm_scale, sliding_window=None,
+                 logits_soft_cap=None):
+        # Checked here too, so a refused option fails before shard_map traces anything.
+        self.backend.check_options(sliding_window=sliding_window,
+                                   logits_soft_cap=logits_soft_cap)
+        fn = functools.partial(self.backend.write_and_attend, sm_scale=sm_scale,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         if self.mesh is None or self.mesh.size == 1:
             return fn(q_TNH, k_TKH, v_TKH, kv, md)
         # check_vma=False: the kernels (FFI and Pallas calls) carry no varying-axes rules;

@@ -3,14 +3,21 @@
 Owns: the plainest correct statement of attention of a packed ragged batch of new query tokens
 over a paged KV cache. Backend "xla" (the CPU path) is kernels/xla_attention.py; this file
 stays short and obviously right, and its cost follows the padded block-table width.
-Must never: read a cache slot that is not causally visible to the query (unused slots may
-hold NaN), or depend on anything past `num_seqs` / `query_start_loc[num_seqs]`.
+Must never: let a cache slot the query may not see (past it, or before its window) reach the
+arithmetic unselected (such slots may hold NaN), or depend on anything past `num_seqs` /
+`query_start_loc[num_seqs]`.
 
 Packed layout (T padded to a bucket, S padded to a bucket):
 
     q rows:  | seq 0: 5 new tokens | seq 1: 1 | seq 2: 3 |  padding ... |
     qsl:     0                     5         6         9 = qsl[num_seqs]
     seq 0 with seq_lens[0] = 12 has 7 cached tokens; its new tokens sit at positions 7..11.
+
+Options (keyword-only, static Python values, the same in every kernel):
+  sliding_window W: a query at position p sees the keys j with p - W < j <= p (W keys, its own
+    included; HF's and vLLM's convention). None: every key up to p.
+  logits_soft_cap c: scores s = (q . k) * sm_scale become c * tanh(s / c) before the softmax
+    (Gemma 2's attn_logit_softcapping). None: no cap.
 
 Each token gathers its own sequence's pages (t -> s(t) -> block_tables[s]), so the cost is
 that of the score matmul itself; tokens are processed in chunks to bound the gathered K/V.
@@ -27,7 +34,7 @@ _TOKEN_CHUNK = 32
 
 
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           num_seqs, *, sm_scale):
+                           num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None):
     T, N, H = q.shape
     _, P, K, _ = k_cache.shape
     S, B = block_tables.shape
@@ -50,11 +57,16 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
         pages = block_tables[s]  # [B]
         k_LKH = k_cache[pages].reshape(L, K, H)
         v_LKH = v_cache[pages].reshape(L, K, H)
-        visible = (jnp.arange(L) <= p) & valid  # [L]
+        j = jnp.arange(L)
+        visible = (j <= p) & valid  # [L]
+        if sliding_window is not None:
+            visible &= j > p - sliding_window
         # Scores in f32 whatever the cache dtype; masked slots may hold NaN, so select
         # (never multiply) both the scores and the values.
         s_KGL = jnp.einsum("kgh,lkh->kgl", q_KGH.astype(jnp.float32),
                            k_LKH.astype(jnp.float32)) * sm_scale
+        if logits_soft_cap is not None:
+            s_KGL = logits_soft_cap * jnp.tanh(s_KGL / logits_soft_cap)
         s_KGL = jnp.where(visible[None, None, :], s_KGL, -jnp.inf)
         m_KG1 = jnp.max(s_KGL, axis=-1, keepdims=True)
         m_KG1 = jnp.where(jnp.isfinite(m_KG1), m_KG1, 0.0)

@@ -3,10 +3,11 @@
 Owns: attention of a packed ragged batch over the paged KV cache on CPU, with work in
 proportion to each sequence's own length -- never to the padded block-table width W, nor to the
 longest sequence of the batch. Same signature and semantics as kernels/reference.py.
-Must never: let a causally invisible cache slot (it may hold NaN) reach the arithmetic
-unselected; read anything of sequences past `num_seqs` or rows past `query_start_loc[num_seqs]`;
-fold the kv-head axis K into another axis (tensor parallelism shards K, and the SPMD partitioner
-must see it as a plain batch axis).
+Must never: let a cache slot invisible to a row (past it, or before its sliding window; it may
+hold NaN) reach the arithmetic unselected; loop over chunks wholly before a window; read
+anything of sequences past `num_seqs` or rows past `query_start_loc[num_seqs]`; fold the
+kv-head axis K into another axis (tensor parallelism shards K, and the SPMD partitioner must
+see it as a plain batch axis).
 
 Work decomposition. A sequence with q_len <= DECODE_MAX_Q is "decode-like": each of its rows
 reads the keys up to its own position. The others are "prefill": their rows are cut into tiles
@@ -29,6 +30,12 @@ of PREFILL_TILE rows that share one read of the keys.
 
       80 new rows after 200 cached:  tile rows  0..63: keys [0, 264)  2 chunks of 256
                                      tile rows 64..79: keys [0, 280)  2 chunks
+
+With a sliding window a row at position p reads only the chunks from the one holding key
+max(0, p - sliding_window + 1): a decode row's item list starts at its window's first chunk, a
+prefill tile's key loop at the chunk of its first row's window, so work follows
+min(context, sliding_window). The
+logit soft cap is applied to each chunk's scores before the softmax.
 
 All trip counts are computed on the device from seq_lens / query_start_loc / num_seqs, so the
 signature is the reference's. Padding items of a last iteration read one visible row.
@@ -68,9 +75,11 @@ PREFILL_CHUNK = 256   # keys per prefill inner-loop step
 
 
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           num_seqs, *, sm_scale, decode_chunk=DECODE_CHUNK,
-                           decode_items=DECODE_ITEMS, prefill_tile=PREFILL_TILE,
-                           prefill_chunk=PREFILL_CHUNK):
+                           num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None,
+                           decode_chunk=DECODE_CHUNK, decode_items=DECODE_ITEMS,
+                           prefill_tile=PREFILL_TILE, prefill_chunk=PREFILL_CHUNK):
+    """Same signature and semantics as kernels/reference.py (the decode_* / prefill_*
+    keywords tune the work decomposition only)."""
     T, S = q.shape[0], block_tables.shape[0]
     seq_ok = jnp.arange(S, dtype=jnp.int32) < num_seqs
     q_lens = jnp.where(seq_ok, query_start_loc[1:] - query_start_loc[:-1], 0)  # [S]
@@ -78,7 +87,8 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     ends = jnp.where(seq_ok, query_start_loc[1:], jnp.iinfo(jnp.int32).max)  # [S]
     is_decode = q_lens <= DECODE_MAX_Q
 
-    cache = _Cache(k_cache, v_cache, block_tables, sm_scale, q.dtype)
+    cache = _Cache(k_cache, v_cache, block_tables, sm_scale, q.dtype, sliding_window,
+                   logits_soft_cap)
     q_TNH = q.astype(jnp.float32)
     out_TNH = _decode_rows(cache, q_TNH, seq_lens, query_start_loc, ends,
                            jnp.where(is_decode, q_lens, 0), chunk=decode_chunk,
@@ -97,7 +107,7 @@ class _Cache:
     tp = num_kv_heads) XLA:CPU lays such a reshape out differently from the cache and copies
     the whole cache to convert it, on every call."""
 
-    def __init__(self, k_cache, v_cache, block_tables, sm_scale, q_dtype):
+    def __init__(self, k_cache, v_cache, block_tables, sm_scale, q_dtype, window, soft_cap):
         P = k_cache.shape[1]
         # A uint16 cache holds q_dtype (16-bit float) bits: the engine stores bf16 caches so
         # on CPU, where XLA has no bf16 scatter (models/layers.py kv_storage_dtype).
@@ -105,6 +115,20 @@ class _Cache:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.block_size, self.sm_scale = P, sm_scale
         self.block_tables = block_tables
+        self.window, self.soft_cap = window, soft_cap
+
+    def first_key(self, pos):
+        """The first key position a query at `pos` sees (0 without a sliding window)."""
+        if self.window is None:
+            return jnp.zeros_like(pos)
+        return jnp.maximum(pos - self.window + 1, 0)
+
+    def visible(self, kpos, pos):
+        """Whether the key at `kpos` is visible to the query at `pos` (broadcasting)."""
+        vis = kpos <= pos
+        if self.window is not None:
+            vis &= kpos > pos - self.window
+        return vis
 
     def slots(self, seq, kpos):
         """[..., 2] int32 (block, offset) of key position `kpos` of sequence `seq`
@@ -158,8 +182,9 @@ def _count_le(ends, x):
     return jnp.sum(ends[None, :] <= x[:, None], axis=1).astype(jnp.int32)
 
 
-def _softmax_part(q_KXMH, k_KXCH, v_KXCH, vis_XMC):
-    """Partial softmax of queries over one chunk of keys (X: any leading item axes).
+def _softmax_part(q_KXMH, k_KXCH, v_KXCH, vis_XMC, soft_cap=None):
+    """Partial softmax of queries over one chunk of keys (X: any leading item axes); the
+    scores (K carries sm_scale) capped to soft_cap * tanh(s / soft_cap) when it is set.
     Returns m [K, X, M] (-inf where nothing is visible), l [K, X, M], o [K, X, M, H]."""
     if q_KXMH.shape[-2] < 16:
         # Few query rows (decode): the dot is ~2x faster with the keys as its left operand,
@@ -169,6 +194,8 @@ def _softmax_part(q_KXMH, k_KXCH, v_KXCH, vis_XMC):
         s = jnp.swapaxes(jax.lax.optimization_barrier(s), -1, -2)
     else:
         s = jnp.einsum("k...mh,k...ch->k...mc", q_KXMH, k_KXCH)
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(vis_XMC[None], s, -jnp.inf)
     m = jnp.max(s, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -197,7 +224,9 @@ def _decode_rows(cache, q_TNH, seq_lens, query_start_loc, ends, q_lens, *, chunk
     u_seq = row_seq[u_row]
     u_pos = seq_lens[u_seq] - q_lens[u_seq] + in_seq[u_row]  # [T] position of the u-th row
     u_ok = t_ids < num_rows
-    u_chunks = jnp.where(u_ok, u_pos // C + 1, 0)
+    # A row's chunks run from its window's first chunk to its own: nothing before is read.
+    u_lo = cache.first_key(u_pos)  # [T] first visible key of the u-th row
+    u_chunks = jnp.where(u_ok, u_pos // C + 1 - u_lo // C, 0)
     item_end = jnp.cumsum(u_chunks).astype(jnp.int32)  # [T]
     num_items = item_end[-1]
 
@@ -207,13 +236,14 @@ def _decode_rows(cache, q_TNH, seq_lens, query_start_loc, ends, q_lens, *, chunk
         i_R = it * R + jnp.arange(R, dtype=jnp.int32)
         item_ok = i_R < num_items
         u_R = jnp.minimum(_count_le(item_end, i_R), T - 1)
-        c_R = i_R - (item_end[u_R] - u_chunks[u_R])
+        c_R = u_lo[u_R] // C + i_R - (item_end[u_R] - u_chunks[u_R])
         kpos_RC = c_R[:, None] * C + jnp.arange(C, dtype=jnp.int32)
-        vis_RC = (kpos_RC <= u_pos[u_R][:, None]) & item_ok[:, None]
+        vis_RC = cache.visible(kpos_RC, u_pos[u_R][:, None]) & item_ok[:, None]
         slot_RC = cache.slots(u_seq[u_R][:, None], kpos_RC)
         # Invisible slots may hold NaN and NaN * 0 is NaN in the P @ V dot: read the first
-        # key of the iteration instead, which is always visible.
-        slot_RC = jnp.where(vis_RC[..., None], slot_RC, slot_RC[0, 0])
+        # visible key of the iteration's first item (always a real one) instead.
+        kpos0 = jnp.maximum(c_R[0] * C, u_lo[u_R[0]])
+        slot_RC = jnp.where(vis_RC[..., None], slot_RC, cache.slots(u_seq[u_R[0]], kpos0))
         return dict(u=u_R, item_ok=item_ok, slot=slot_RC, vis=vis_RC)
 
     def body(it, carry):
@@ -222,7 +252,7 @@ def _decode_rows(cache, q_TNH, seq_lens, query_start_loc, ends, q_lens, *, chunk
         q_KRGH = q_TNH[u_row[u_R]].reshape(R, K, G, H).transpose(1, 0, 2, 3)
         k, v = cache.gather(cur["slot"])  # [K, R, C, H]
         vis_RGC = jnp.broadcast_to(cur["vis"][:, None, :], (R, G, C))
-        m_KRG, l_KRG, o_KRGH = _softmax_part(q_KRGH, k, v, vis_RGC)
+        m_KRG, l_KRG, o_KRGH = _softmax_part(q_KRGH, k, v, vis_RGC, cache.soft_cap)
         m_RN = m_KRG.transpose(1, 0, 2).reshape(R, N)
         l_RN = l_KRG.transpose(1, 0, 2).reshape(R, N)
         o_RNH = o_KRGH.transpose(1, 0, 2, 3).reshape(R, N, H)
@@ -272,6 +302,7 @@ def _prefill_tiles(cache, q_TNH, seq_lens, query_start_loc, q_lens, *, tile, chu
         rows = jnp.minimum(q_lens[s] - j * Q, Q)  # valid rows of this tile
         pos0 = seq_lens[s] - q_lens[s] + j * Q  # position of the tile's first row
         last = pos0 + rows - 1
+        first = cache.first_key(pos0)  # the tile's earliest visible key
         qi = jnp.arange(Q, dtype=jnp.int32)
         row_ok_Q = qi < rows
         q_rows = jnp.minimum(row0 + qi, T - 1)
@@ -281,12 +312,15 @@ def _prefill_tiles(cache, q_TNH, seq_lens, query_start_loc, q_lens, *, tile, chu
             m_KM, l_KM, o_KMH = state
             kpos_C = c * C + jnp.arange(C, dtype=jnp.int32)
             slot_C = cache.slots(s, kpos_C)
-            # Keys past the tile's last row: read the chunk's first key (visible) instead.
-            slot_C = jnp.where((kpos_C <= last)[:, None], slot_C, slot_C[0])
+            # Keys no row of the tile sees (past its last row, before its first row's
+            # window): read the chunk's first key that some row sees instead.
+            seen_C = (kpos_C >= first) & (kpos_C <= last)
+            slot_C = jnp.where(seen_C[:, None], slot_C,
+                               cache.slots(s, jnp.maximum(c * C, first)))
             k, v = cache.gather(slot_C)  # [K, C, H]
-            vis_QC = (kpos_C[None, :] <= (pos0 + qi)[:, None]) & row_ok_Q[:, None]
+            vis_QC = cache.visible(kpos_C[None, :], (pos0 + qi)[:, None]) & row_ok_Q[:, None]
             vis_MC = jnp.repeat(vis_QC, G, axis=0)
-            m_c, l_c, o_c = _softmax_part(q_KMH, k, v, vis_MC)
+            m_c, l_c, o_c = _softmax_part(q_KMH, k, v, vis_MC, cache.soft_cap)
             new_m = jnp.maximum(m_KM, m_c)
             safe = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
             a, b = jnp.exp(m_KM - safe), jnp.exp(m_c - safe)
@@ -294,7 +328,8 @@ def _prefill_tiles(cache, q_TNH, seq_lens, query_start_loc, q_lens, *, tile, chu
 
         init = (jnp.full((K, M), -jnp.inf, jnp.float32), jnp.zeros((K, M), jnp.float32),
                 jnp.zeros((K, M, H), jnp.float32))
-        _, l_KM, o_KMH = jax.lax.fori_loop(0, last // C + 1, chunk_body, init)
+        # From the chunk of the tile's earliest visible key: nothing before it is read.
+        _, l_KM, o_KMH = jax.lax.fori_loop(first // C, last // C + 1, chunk_body, init)
         o_KMH = o_KMH / jnp.where(l_KM > 0, l_KM, 1.0)[..., None]
         o_QNH = o_KMH.reshape(K, Q, G, H).transpose(1, 0, 2, 3).reshape(Q, N, H)
         old = jax.lax.dynamic_slice_in_dim(out_TNH, row0, Q)

@@ -2,7 +2,8 @@
 reference straight from the definition, and the comparison every backend test uses.
 
 Every batch fills every cache slot that no query may see with NaN (unused pages, the tail of
-the last page, padding sequences' pages, the null block 0) and the padding query rows too,
+the last page, padding sequences' pages, the null block 0, and with a sliding window every
+slot before the window of the sequence's first new token) and the padding query rows too,
 so a kernel that reads or multiplies an invisible value fails with NaN, not a small error.
 
 Tolerances (|out - ref| <= atol + rtol * |ref|, outputs are O(1) averages of N(0, 1) values):
@@ -35,6 +36,15 @@ class Shape:
     dtype: str
     block_size: int = 16
     tuning: tuple = ()  # extra tuning kwargs as (key, value) pairs
+    # The attention options (kernels/reference.py), static like the shapes.
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+    @property
+    def options(self) -> dict:
+        """The options that are set, as the kernels' keywords."""
+        return {k: v for k, v in (("sliding_window", self.sliding_window),
+                                  ("logits_soft_cap", self.logits_soft_cap)) if v is not None}
 
     @property
     def num_blocks(self):  # every page of every sequence, the null block, 3 spare NaN blocks
@@ -69,7 +79,10 @@ def make_inputs(shape: Shape, batch: Batch):
     for s in range(num_seqs):
         n = -(-int(seq_lens[s]) // bs)
         block_tables[s, :n] = pages[s * B: s * B + n]
-        pos = np.arange(seq_lens[s])
+        # Slots before the first new token's window stay NaN: no query of s may read them.
+        first = 0 if shape.sliding_window is None else \
+            max(0, int(seq_lens[s]) - batch.q_lens[s] - shape.sliding_window + 1)
+        pos = np.arange(first, seq_lens[s])
         blk, off = block_tables[s, pos // bs], pos % bs
         k[blk, off] = rng.standard_normal((len(pos), Hkv, D))
         v[blk, off] = rng.standard_normal((len(pos), Hkv, D))
@@ -83,8 +96,10 @@ def make_inputs(shape: Shape, batch: Batch):
 
 
 def reference_f64(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                  sm_scale):
-    """Token by token, in float64, straight from the definition."""
+                  sm_scale, sliding_window=None, logits_soft_cap=None):
+    """Token by token, in float64, straight from the definition: a query at position p sees
+    the keys j with max(0, p - sliding_window + 1) <= j <= p; scores are capped to
+    c * tanh(s / c) with c = logits_soft_cap."""
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -100,10 +115,13 @@ def reference_f64(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
         for j in range(q_len):
             t, p = query_start_loc[s] + j, ctx + j
             q_kgd = q[t].astype(np.float64).reshape(Hkv, G, D)
-            scores = np.einsum("kgd,lkd->kgl", q_kgd, k[:p + 1]) * sm_scale
+            lo = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+            scores = np.einsum("kgd,lkd->kgl", q_kgd, k[lo:p + 1]) * sm_scale
+            if logits_soft_cap is not None:
+                scores = logits_soft_cap * np.tanh(scores / logits_soft_cap)
             w = np.exp(scores - scores.max(-1, keepdims=True))
             w /= w.sum(-1, keepdims=True)
-            out[t] = np.einsum("kgl,lkd->kgd", w, v[:p + 1]).reshape(Hq, D)
+            out[t] = np.einsum("kgl,lkd->kgd", w, v[lo:p + 1]).reshape(Hq, D)
     return out
 
 
@@ -115,7 +133,7 @@ def check(fn, shape: Shape, batch: Batch):
     """fn(**inputs) against the float64 reference; padding rows exactly 0, no NaN."""
     inputs = make_inputs(shape, batch)
     out = run(fn, inputs)
-    ref = reference_f64(**inputs, sm_scale=shape.D ** -0.5)
+    ref = reference_f64(**inputs, sm_scale=shape.D ** -0.5, **shape.options)
     end = int(inputs["query_start_loc"][len(batch.q_lens)])
     assert np.all(out[end:] == 0), "padding rows must be exactly zero"
     assert not np.isnan(out).any(), "NaN from an invisible cache slot or padding row"

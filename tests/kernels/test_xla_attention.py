@@ -45,7 +45,7 @@ KINDS = ["decode", "prefill", "mixed"]
 @functools.cache
 def xla_fn(shape: Shape):
     return jax.jit(functools.partial(xa.ragged_paged_attention, sm_scale=shape.D ** -0.5,
-                                     **dict(shape.tuning)))
+                                     **dict(shape.tuning), **shape.options))
 
 
 @pytest.mark.parametrize("shape,max_ctx", SHAPES,
@@ -72,6 +72,34 @@ FIXED = Shape(T=16, S=4, max_blocks=4, Hkv=2, G=4, D=64, dtype="bfloat16", tunin
 ], ids=["decode", "prefill", "mixed", "mixed-empty-seq", "full", "empty"])
 def test_fixed_batches(batch):
     check(xla_fn(FIXED), FIXED, batch)
+
+
+# Sliding windows that start mid-chunk and mid-page, on contexts several windows long (the
+# slots before each window hold NaN), one with the soft cap and peaky scores it flattens.
+WINDOWED = [
+    (Shape(T=16, S=6, max_blocks=24, Hkv=2, G=3, D=64, dtype="float32", tuning=SMALL,
+           sliding_window=37, logits_soft_cap=1.5), 200),
+    (Shape(T=24, S=4, max_blocks=8, Hkv=1, G=4, D=64, dtype="bfloat16", tuning=ODD,
+           sliding_window=16), None),
+]
+
+
+@pytest.mark.parametrize("shape,max_ctx", WINDOWED, ids=["w37-cap-f32", "w16-bf16"])
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_window_and_soft_cap_match_float64(shape, max_ctx, data):
+    kind = data.draw(st.sampled_from(KINDS))
+    check(xla_fn(shape), shape, data.draw(batches(shape, kind, max_ctx)))
+
+
+@pytest.mark.parametrize("batch", [
+    Batch(q_lens=(1, 1, 1, 1), ctx_lens=(0, 36, 37, 150), seed=11),  # window edges
+    Batch(q_lens=(9, 7), ctx_lens=(30, 0), seed=12),  # prefill tiles across the window
+    Batch(q_lens=(5, 1, 10), ctx_lens=(64, 200, 100), seed=13),
+], ids=["decode", "prefill", "mixed"])
+def test_window_fixed_batches(batch):
+    check(xla_fn(WINDOWED[0][0]), WINDOWED[0][0], batch)
 
 
 def test_long_sequence_leaves_short_ones_alone():

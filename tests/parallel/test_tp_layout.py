@@ -115,4 +115,5 @@ def test_defaults_and_storage():
     assert backends.get_backend("cpu").kv_storage_dtype(bf16) == np.uint16
     assert backends.get_backend("xla").kv_storage_dtype(np.float32) == np.float32
     assert backends.get_backend("pallas").kv_storage_dtype(bf16) == bf16
-    assert not any(b.supports_sliding_window for b in backends.BACKENDS.values())
+    assert {n for n, b in backends.BACKENDS.items() if b.supports_sliding_window} == {"xla"}
+    assert {n for n, b in backends.BACKENDS.items() if b.supports_logits_soft_cap} == {"xla"}
