@@ -150,6 +150,7 @@ class CpuBackend(BitsOnCpu):
     """The C++ kernel through XLA FFI (kernels/cpu_attention.py), when its library loads."""
 
     name, platforms = "cpu", ("cpu",)
+    supports_sliding_window = supports_logits_soft_cap = True
 
     def unavailable_reason(self, platform: str) -> str | None:
         from jaxllm.kernels import cpu_attention
@@ -165,6 +166,7 @@ class PallasBackend(AttentionBackend):
     """The Pallas Triton kernel (kernels/paged_attention.py) on NVIDIA GPUs."""
 
     name, platforms = "pallas", ("gpu",)
+    supports_sliding_window = supports_logits_soft_cap = True
     interpret = False
 
     def attention_fn(self):

@@ -35,7 +35,10 @@ by FMAs, with a transpose-and-add for the 16 sums), an online-softmax update, an
 each V row loaded once for all G heads. The pages two blocks ahead are prefetched a few
 cache lines at a time between these steps (a burst of prefetches stalls the core instead).
 Keys past an item's last row are never touched; within a tile the keys a row may not see are
-masked by selection before any arithmetic.
+masked by selection before any arithmetic. With a sliding window an item's key blocks start at
+the block of its first row's window (pages wholly before it are never read), and the keys of
+that block before the window are never read either; the logit soft cap applies to each block's
+scores before its softmax update.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def _check_dtypes(q, k_cache, v_cache) -> None:
 
 
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           num_seqs, *, sm_scale):
+                           num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None):
     """Same signature and semantics as kernels/reference.py. A uint16 cache holds q.dtype's
     bits (models/layers.py kv_storage_dtype)."""
     T, N, H = q.shape
@@ -119,4 +122,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
                             vmap_method="sequential")
     return call(q, k_cache, v_cache, i32(block_tables), i32(seq_lens), i32(query_start_loc),
-                i32(num_seqs).reshape(()), sm_scale=np.float32(sm_scale))
+                i32(num_seqs).reshape(()), sm_scale=np.float32(sm_scale),
+                # 0: no window / no cap (the library's encoding of None).
+                sliding_window=np.int32(sliding_window or 0),
+                logits_soft_cap=np.float32(logits_soft_cap or 0.0))

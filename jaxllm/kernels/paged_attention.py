@@ -3,8 +3,9 @@ decode tokens of many sequences, in one kernel launch.
 
 Owns: attention of a packed ragged batch of new query tokens over a paged KV cache on GPUs
 (A100/H100 through the Pallas Triton backend), and its CPU run under the Pallas interpreter.
-Must never: let an unused or not-yet-visible cache slot reach the output (such slots may hold
-NaN, so K and V loads are masked, not only the scores), or write outside its output rows.
+Must never: let an unused, not-yet-visible or before-the-window cache slot reach the output
+(such slots may hold NaN, so K and V loads are masked, not only the scores); loop over key
+chunks wholly before a tile's sliding window; write outside its output rows.
 The pure-XLA version with the same signature is `jaxllm/kernels/reference.py`.
 
 Letters: T packed tokens, S sequences (bucket), Hq query heads, Hkv kv heads, G = Hq // Hkv,
@@ -48,6 +49,19 @@ all masking; the rest ("diagonal" chunks) mask loads past the sequence and causa
             [ chunk ][ chunk ][ chunk ][ diag chunk ][ diag chunk ]
             <------ unmasked loop ------><------- masked loop ------>
 
+Sliding window W (static; kernels/reference.py): a row at position p sees keys (p - W, p].
+A tile's chunks then start at the one holding its first row's earliest key, kv_start =
+max(0, ctx + j0 - W + 1), and the chunks that straddle the window's lower edge for some row
+are masked too (loads below kv_start, scores outside each row's window):
+
+    keys:   0 ... kv_start ......... kv_end-W ........ ctx+j0 ........ kv_end
+                  [ edge chunk ][ chunk ][ chunk ][ diag chunk ][ diag chunk ]
+            never  <- masked  -><-- unmasked loop --><------ masked ------->
+    (the two masked ranges are one loop that skips the unmasked chunks)
+
+Logit soft cap c (static): the scores s = q.k * sm_scale become c * tanh(s / c) before the
+softmax (in base e, then scaled to base 2 like the uncapped ones).
+
 Split-KV. With few tiles (decode of a few long sequences) axis 2 splits each tile's chunks
 into `num_kv_splits` contiguous slices; each program writes its slice's normalized partial
 output and base-2 log-sum-exp, and a small XLA epilogue merges them. The public function
@@ -90,6 +104,9 @@ class _Static:
     search_steps: int  # binary-search iterations to find a program's sequence
     num_splits: int
     scale_log2: float  # sm_scale * log2(e): scores live in base 2
+    sm_scale: float
+    sliding_window: int | None  # keys a row sees, its own included; None: all before it
+    logits_soft_cap: float | None  # c in c * tanh(s / c); None: no cap
     precision: lax.Precision | lax.DotAlgorithmPreset | None  # f32 only, see _f32_precision
 
 
@@ -109,23 +126,40 @@ def _find_seq(qsl_ref, p, num_seqs, st: _Static):
     return lo
 
 
-def _attend_chunks(c_lo, c_hi, carry, *, masked, s, kvh, q, pos, kv_end, bt_ref, k_ref, v_ref,
-                   st: _Static):
-    """Online softmax over key chunks [c_lo, c_hi) of sequence s (carry: acc, m, l)."""
+def _scores(q, k, st: _Static):
+    """q . k in base 2: scaled by sm_scale, capped when a soft cap is set. [BM, BN] f32."""
+    dots = plgpu.dot(q, k, trans_b=True, precision=st.precision)
+    if st.logits_soft_cap is None:
+        return dots * st.scale_log2
+    # c * tanh(x) as c * (1 - 2 / (e^(2x) + 1)): exp2 and a division, where libdevice's tanhf
+    # made the windowed A100 decode tile spill registers. Absolute error ~c * 6e-8 near x = 0
+    # (1 - (1 - x)), far below the f32 tolerance; saturates to +-c, never NaN.
+    c = st.logits_soft_cap
+    e = jnp.exp2(dots * (2.0 * _LOG2E * st.sm_scale / c))
+    return (1.0 - 2.0 / (e + 1.0)) * (c * _LOG2E)
+
+
+def _attend_chunks(c_lo, c_hi, carry, *, masked, s, kvh, q, pos, kv_start, kv_end, bt_ref,
+                   k_ref, v_ref, st: _Static, skip=None):
+    """Online softmax over key chunks [c_lo, c_hi) of sequence s (carry: acc, m, l).
+    skip (a, b): leave out chunks [a, b), i.e. visit [c_lo, a) and [b, c_hi) in one loop (one
+    loop, not two: a third pipelined loop spills registers on the A100)."""
     bn, bs, d = st.block_n, st.block_size, q.shape[1]
     # Every index is an integer array (no `:` slices): the Pallas interpreter gathers only
     # such all-array indexers, and Triton builds the same pointer tensor either way.
     cols = lax.iota(jnp.int32, d)[None, :]  # [1, D]
 
-    def body(c, carry):
+    def body(i, carry):
+        c = i if skip is None else jnp.where(i < skip[0], i, i + (skip[1] - skip[0]))
         acc, m, l = carry  # [BM, D] f32, [BM] f32, [BM] f32
         kv = c * bn + lax.iota(jnp.int32, bn)  # [BN] key positions
         if masked:
-            kv_ok = kv < kv_end  # [BN]
+            kv_ok = (kv >= kv_start) & (kv < kv_end)  # [BN]
             page = plgpu.load(bt_ref.at[s, kv // bs], mask=kv_ok, other=0)  # [BN]
             slot = page * bs + kv % bs
             kv_ok_2d = jnp.broadcast_to(kv_ok[:, None], (bn, d))
-            # Masked loads never touch slots past the sequence: they may hold NaN.
+            # Masked loads never touch slots past the sequence or before the tile's window:
+            # they may hold NaN (or belong to a freed page).
             k = plgpu.load(k_ref.at[slot[:, None], kvh, cols], mask=kv_ok_2d, other=0)  # [BN, D]
             v = plgpu.load(v_ref.at[slot[:, None], kvh, cols], mask=kv_ok_2d, other=0)  # [BN, D]
         else:
@@ -133,22 +167,26 @@ def _attend_chunks(c_lo, c_hi, carry, *, masked, s, kvh, q, pos, kv_end, bt_ref,
             slot = page * bs + kv % bs
             k = k_ref[slot[:, None], kvh, cols]
             v = v_ref[slot[:, None], kvh, cols]
-        scores = plgpu.dot(q, k, trans_b=True, precision=st.precision) * st.scale_log2
+        scores = _scores(q, k, st)
         if masked:
             visible = kv[None, :] <= pos[:, None]  # [BM, BN] causal; also < kv_end for real rows
+            if st.sliding_window is not None:  # and inside the row's window
+                visible &= kv[None, :] > pos[:, None] - st.sliding_window
             scores = jnp.where(visible, scores, _MASK)
         m_new = jnp.maximum(m, jnp.max(scores, axis=1))  # [BM]
         alpha = jnp.exp2(m - m_new)  # [BM]
         # A row that has seen no key yet (m_new == _MASK) gets p = 1 on masked scores: its
         # acc and l are garbage but finite (masked-in-range V is visible to another row of
         # the tile, out-of-range V loads as 0), and alpha = 0 erases them at the row's first
-        # visible key. Every real row sees key 0, and in the split grid key 0 is in split 0,
-        # whose weight then dominates the merge (lse = _MASK + small == _MASK elsewhere).
+        # visible key. Every real row sees a key (its own), and in the split grid the splits
+        # with one dominate the merge (lse = _MASK + small == _MASK in the others).
         p = jnp.exp2(scores - m_new[:, None])  # [BM, BN]
         l = l * alpha + jnp.sum(p, axis=1)
         pv = plgpu.dot(p.astype(v.dtype), v, precision=st.precision)  # [BM, D]
         return acc * alpha[:, None] + pv, m_new, l
 
+    if skip is not None:
+        c_hi = c_hi - (skip[1] - skip[0])
     return lax.fori_loop(c_lo, c_hi, body, carry)
 
 
@@ -199,20 +237,33 @@ def _kernel(num_seqs_ref, qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_
         pos = ctx + j  # [BM]
         kv_end = ctx + jnp.minimum(j0 + st.q_tile, q_len)  # keys any row of the tile may see
         n_chunks = pl.cdiv(kv_end, st.block_n)
-        n_unmasked = (ctx + j0 + 1) // st.block_n  # chunks every row sees in full
-        if split is None:
-            lo, hi = 0, n_chunks
+        n_unmasked = (ctx + j0 + 1) // st.block_n  # chunks below every row's position
+        if st.sliding_window is None:
+            kv_start = first = w_lo = 0
         else:
-            per_split = pl.cdiv(n_chunks, st.num_splits)
-            lo = jnp.minimum(split * per_split, n_chunks)
+            kv_start = jnp.maximum(ctx + j0 - st.sliding_window + 1, 0)  # first row's first key
+            first = kv_start // st.block_n  # no chunk before it is visited
+            # Chunks from w_lo on start inside the last real row's window (so every row's).
+            w_lo = pl.cdiv(jnp.maximum(kv_end - st.sliding_window, 0), st.block_n)
+        if split is None:
+            lo, hi = first, n_chunks
+        else:
+            per_split = pl.cdiv(n_chunks - first, st.num_splits)
+            lo = jnp.minimum(first + split * per_split, n_chunks)
             hi = jnp.minimum(lo + per_split, n_chunks)
         carry = (jnp.zeros((bm, d), jnp.float32), jnp.full((bm,), _MASK, jnp.float32),
                  jnp.zeros((bm,), jnp.float32))
-        common = dict(s=s, kvh=kvh, q=q, pos=pos, kv_end=kv_end, bt_ref=bt_ref, k_ref=k_ref,
-                      v_ref=v_ref, st=st)
-        mid = jnp.clip(n_unmasked, lo, hi)
-        carry = _attend_chunks(lo, mid, carry, masked=False, **common)
-        acc, m, l = _attend_chunks(mid, hi, carry, masked=True, **common)
+        common = dict(s=s, kvh=kvh, q=q, pos=pos, kv_start=kv_start, kv_end=kv_end,
+                      bt_ref=bt_ref, k_ref=k_ref, v_ref=v_ref, st=st)
+        # [a, b): every row sees them in full; [lo, a): window-edge chunks and [b, hi):
+        # diagonal chunks, masked.
+        a = jnp.clip(w_lo, lo, hi)
+        b = jnp.clip(n_unmasked, a, hi)
+        carry = _attend_chunks(a, b, carry, masked=False, **common)
+        if st.sliding_window is None:  # a == lo
+            acc, m, l = _attend_chunks(b, hi, carry, masked=True, **common)
+        else:
+            acc, m, l = _attend_chunks(lo, hi, carry, masked=True, skip=(a, b), **common)
         l_safe = jnp.where(l > 0, l, 1.0)  # l == 0 only for a split with no chunk: acc == 0
         lse = m + jnp.log2(l_safe)
         store(t, valid, acc / l_safe[:, None], lse)
@@ -316,19 +367,22 @@ def plan(q_shape, k_cache_shape, block_tables_shape, dtype, **tuning):
     st = _Static(block_m=block_m, block_n=block_n, group=G, q_tile=q_tile, num_q_heads=Hq,
                  num_tokens=T, block_size=block_size,
                  search_steps=max(1, math.ceil(math.log2(S + 1))), num_splits=splits,
-                 scale_log2=0.0, precision=None)  # both set by ragged_paged_attention
+                 scale_log2=0.0, sm_scale=0.0, sliding_window=None, logits_soft_cap=None,
+                 precision=None)  # set by ragged_paged_attention
     return st, tuning.get("num_warps") or cfg.num_warps, tuning.get("num_stages") or cfg.num_stages
 
 
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           num_seqs, *, sm_scale, interpret=False, **tuning):
+                           num_seqs, *, sm_scale, sliding_window=None, logits_soft_cap=None,
+                           interpret=False, **tuning):
     """Causal attention of packed new tokens over a paged KV cache (see the module docstring).
 
     q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (already holding the new
     tokens' K/V); block_tables int32 [S, max_blocks]; seq_lens int32 [S] (cached + new);
     query_start_loc int32 [S + 1] (qsl[0] == 0, non-decreasing); num_seqs int32 scalar.
     Returns [T, Hq, D]; rows from query_start_loc[num_seqs] on are zeros.
-    sm_scale: a Python float (it is baked into the kernel).
+    sm_scale: a Python float (it is baked into the kernel); sliding_window (int >= 1) and
+    logits_soft_cap (float > 0), both static, as in kernels/reference.py.
     tuning: target ("h100" | "a100" | "default"; detected from the default device when not
     given), block_m, block_n, num_warps, num_stages, num_kv_splits (1 = plain kernel).
     """
@@ -355,9 +409,16 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
                     ("query_start_loc", query_start_loc), ("num_seqs", num_seqs)):
         if jnp.result_type(a) != jnp.int32:
             raise ValueError(f"{name} must be int32, got {jnp.result_type(a)}")
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
     st, num_warps, num_stages = plan(q.shape, k_cache.shape, block_tables.shape, q.dtype,
                                      **tuning)
-    st = dataclasses.replace(st, scale_log2=float(sm_scale) * _LOG2E,
+    st = dataclasses.replace(st, scale_log2=float(sm_scale) * _LOG2E, sm_scale=float(sm_scale),
+                             sliding_window=sliding_window,
+                             logits_soft_cap=None if logits_soft_cap is None
+                             else float(logits_soft_cap),
                              precision=_f32_precision(interpret) if q.dtype == jnp.float32
                              else None)
     return _call(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,

@@ -72,12 +72,17 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale scalar ** -0.5 (else head_dim)
     attn_logit_softcapping: float | None = None  # Gemma 2: scores c * tanh(s / c)
     final_logit_softcapping: float | None = None  # Gemma 2/3: logits c * tanh(l / c)
-    sliding_window: int | None = None  # keys a query sees (its own included) on SLIDING layers
-    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; () with a window: all SLIDING
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL (sliding_window's layers);
+    # () with a sliding_window: every layer is SLIDING
     rope_local_theta: float | None = None  # RoPE base of the SLIDING layers (Gemma 3)
     # Rows of the embedding and the LM head when tensor parallelism pads the vocabulary to
     # a multiple of its size (models/tp_layout.py); None: vocab_size. Logits keep vocab_size.
     padded_vocab_size: int | None = None
+    # Attention options. sliding_window: a query at position p sees keys (p - W, p] (HF's
+    # `sliding_window` where `use_sliding_window` does not turn it off: Mistral v0.1's 4096);
+    # in the Llama family every layer uses it (a family with a per-layer pattern applies it to
+    # its sliding layers). None: full causal attention.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -88,6 +93,8 @@ class ModelConfig:
         if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size ({self.padded_vocab_size}) must be >= "
                              f"vocab_size ({self.vocab_size})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -96,8 +103,6 @@ class ModelConfig:
                                  not set(self.layer_types) <= {SLIDING, FULL}):
             raise ValueError(f"layer_types must name {self.num_hidden_layers} layers, each "
                              f"{SLIDING!r} or {FULL!r}; got {list(self.layer_types)}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
 
     @property
     def num_embeddings(self) -> int:
@@ -148,13 +153,7 @@ class ModelConfig:
         if arch in GEMMA_ARCHITECTURES:
             gemma = _gemma_fields(arch, hf, _required_int(hf, "num_hidden_layers"))
         else:
-            gemma = {}
-        if hf.get("sliding_window") and hf.get("use_sliding_window", True) and \
-                arch == "MistralForCausalLM":
-            # Mistral v0.1 uses a 4096-token window; later Mistrals set it to null. We only
-            # implement full attention, so limit the context to the window instead of
-            # silently computing something else.
-            max_pos = min(max_pos, _required_int(hf, "sliding_window"))
+            gemma = {"sliding_window": _sliding_window(hf)}
         return cls(
             architecture=arch,
             vocab_size=_required_int(hf, "vocab_size"),
@@ -180,6 +179,26 @@ class ModelConfig:
             eos_token_id=eos_ids,
             **gemma,
         )
+
+
+def _sliding_window(hf: Mapping[str, Any]) -> int | None:
+    """HF's window where every layer uses it, else None (Mistral v0.1: 4096; later Mistrals
+    and most Qwen2 configs: none). `use_sliding_window: false` turns it off (Qwen2/Qwen3); there
+    layers from `max_window_layers` on use it, as in transformers: all of them or none is
+    supported, a mix is a ValueError (as in vLLM)."""
+    window = _optional_int(hf, "sliding_window")
+    if not window or not hf.get("use_sliding_window", True):
+        return None
+    max_window_layers = _optional_int(hf, "max_window_layers")
+    if max_window_layers is None or max_window_layers <= 0:
+        return window
+    num_layers = _required_int(hf, "num_hidden_layers")
+    if max_window_layers >= num_layers:
+        return None  # transformers windows layers i >= max_window_layers: none here
+    raise ValueError(f"use_sliding_window with max_window_layers={max_window_layers} < "
+                     f"num_hidden_layers={num_layers} (a window on some layers only) is not "
+                     f"supported; set max_window_layers to 0 (every layer) or "
+                     f"{num_layers} (none)")
 
 
 def architecture_of(hf: Mapping[str, Any]) -> str:

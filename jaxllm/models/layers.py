@@ -137,11 +137,9 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(H, theta, scaling))
         # Gemma 2/3 scale scores by query_pre_attn_scalar ** -0.5 (head_dim by default).
         self.sm_scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar or H)
-        # The attention options the backend is asked for (kernels/backends.py), only those
-        # set; (name, value) pairs: static, like inv_freq.
-        self.attention_options = tuple((key, value) for key, value in (
-            ("sliding_window", cfg.layer_sliding_window(layer)),
-            ("logits_soft_cap", cfg.attn_logit_softcapping)) if value is not None)
+        # The attention options (kernels/backends.py); static: part of the graphdef.
+        self.sliding_window = cfg.layer_sliding_window(layer)
+        self.logits_soft_cap = cfg.attn_logit_softcapping
 
     def project_qk(self, x_TD, positions_T, ops):
         """The queries [T, N, H] and keys [T, K, H] attention compares, RoPE applied (also
@@ -165,6 +163,7 @@ class Attention(nnx.Module):
         q_TNH, k_TKH = hooks.at("q", layer, q_TNH), hooks.at("k", layer, k_TKH)
         v_TKH = hooks.at("v", layer, v_TKH)
         o_TNH, kv = ops.attention(q_TNH, k_TKH, v_TKH, kv, md, sm_scale=self.sm_scale,
-                                  **dict(self.attention_options))
+                                  sliding_window=self.sliding_window,
+                                  logits_soft_cap=self.logits_soft_cap)
         o_TNH = hooks.at("z", layer, o_TNH)
         return ops.row_parallel(self.o_proj, o_TNH.reshape(T, -1)), kv

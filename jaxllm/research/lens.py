@@ -3,8 +3,9 @@ attention patterns.
 
 Owns `logit_lens(llm, hidden_PD)`: hidden states [P, D] (a layer's captured resid_post, or
 final_norm with `final_norm=False`) -> float32 logits [P, V], and
-`attention_pattern(llm, layer, resid_pre_PD)`: the layer's causal attention probabilities
-[N, P, P] of a sequence whose positions 0..P-1 were all captured at resid_pre. Both run the
+`attention_pattern(llm, layer, resid_pre_PD)`: the layer's causal (and, with a sliding window,
+windowed) attention probabilities [N, P, P] of a sequence whose positions 0..P-1 were all
+captured at resid_pre. Both run the
 engine's loaded weights as stored (the linear method's layout, split over the mesh under
 tensor parallelism) through the model's own modules; one jitted program per padded row
 count (powers of two), compiled on first use. Never touches the engine's KV cache or its
@@ -56,6 +57,9 @@ def _pattern_fn(runner, layer: int):
             scores_NPP = jnp.einsum("qnh,knh->nqk", q_PNH.astype(jnp.float32),
                                     k_PNH.astype(jnp.float32)) * block.self_attn.sm_scale
             causal = jnp.tril(jnp.ones((P, P), bool)) & valid_P[None, :]
+            window = block.self_attn.sliding_window
+            if window is not None:  # keys (q - window, q] only
+                causal &= jnp.triu(jnp.ones((P, P), bool), 1 - window)
             return jax.nn.softmax(jnp.where(causal, scores_NPP, -jnp.inf), axis=-1)
 
         fn = fns[layer] = jax.jit(pattern)

@@ -45,12 +45,17 @@ def attention_specs(T, S, max_blocks, D, dtype, num_blocks=2048):
             sds((S,), jnp.int32), sds((S + 1,), jnp.int32), sds((), jnp.int32)]
 
 
+# Gemma-2/3-like attention options (kernels/reference.py): the window-edge chunk loop and the
+# tanh of the soft cap must lower too.
+WINDOWED = dict(sliding_window=4096, logits_soft_cap=50.0)
+
+
 @functools.cache
-def compiled_kernel(target, variant, dtype, D, **extra):
+def compiled_kernel(target, variant, dtype, D, options=(), **extra):
     T, S, max_blocks, tuning = VARIANTS[variant]
     tuning = {**tuning, **extra}
     fn = jax.jit(lambda *a: pa.ragged_paged_attention(*a, sm_scale=D ** -0.5, target=target,
-                                                      **tuning))
+                                                      **tuning, **dict(options)))
     return gc.compile_for_target(fn, attention_specs(T, S, max_blocks, D, jnp.dtype(dtype)),
                                  target)
 
@@ -72,8 +77,16 @@ def test_borrowed_tiles_compile_clean(target, variant, dtype):
     assert_compiles_clean(target, variant, dtype, 128, **extra)
 
 
-def assert_compiles_clean(target, variant, dtype, D, **extra):
-    result = compiled_kernel(target, variant, dtype, D, **extra)
+# The A100 decode tile is the one that spilled with libdevice's tanh; the H100 prefill tile
+# is the wgmma one; the split grid has its own chunk ranges.
+@pytest.mark.parametrize("target,variant", [("a100", "decode"), ("h100", "prefill"),
+                                            ("h100", "split")])
+def test_window_and_soft_cap_compile_clean(target, variant):
+    assert_compiles_clean(target, variant, "bfloat16", 128, options=tuple(WINDOWED.items()))
+
+
+def assert_compiles_clean(target, variant, dtype, D, options=(), **extra):
+    result = compiled_kernel(target, variant, dtype, D, options, **extra)
     kind = "split" if variant == "split" else "plain"
     kernel = result.kernel(f"ragged_paged_attention_{kind}")
     assert gc.kernel_problems(result, kernel) == []

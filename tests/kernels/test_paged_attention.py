@@ -34,7 +34,7 @@ pytestmark = pytest.mark.filterwarnings(
 def kernel_fn(shape: Shape):
     return jax.jit(functools.partial(pa.ragged_paged_attention, sm_scale=shape.D ** -0.5,
                                      interpret=not ON_GPU, target="default",
-                                     **dict(shape.tuning)))
+                                     **dict(shape.tuning), **shape.options))
 
 
 @functools.cache
@@ -95,6 +95,26 @@ def test_kernel_matches_float64(shape, data):
 def test_xla_reference_matches_float64(shape, data):
     kind = data.draw(st.sampled_from(KINDS))
     check(reference_fn(shape), shape, data.draw(batches(shape, kind)))
+
+
+# Sliding windows (NaN before each window) that start mid-chunk, with and without the soft
+# cap, on the plain and the split grid; 16-key chunks so windows of 23 / 40 keys span several
+# (edge chunks, fully visible chunks, diagonal chunks).
+WINDOWED = [
+    Shape(T=16, S=4, max_blocks=8, Hkv=2, G=2, D=64, dtype="float32", sliding_window=23,
+          logits_soft_cap=2.0, tuning=(("num_kv_splits", 1), ("block_n", 16))),
+    Shape(T=24, S=3, max_blocks=8, Hkv=1, G=4, D=64, dtype="bfloat16", sliding_window=40,
+          tuning=(("num_kv_splits", 3), ("block_n", 16))),
+]
+
+
+@pytest.mark.parametrize("shape", WINDOWED, ids=["w23-cap-plain", "w40-split3"])
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_window_and_soft_cap_match_float64(shape, data):
+    kind = data.draw(st.sampled_from(KINDS))
+    check(kernel_fn(shape), shape, data.draw(batches(shape, kind)))
 
 
 # --------------------------------------------------------------- named, fixed batches

@@ -85,7 +85,7 @@ WINDOWED = [
 
 
 @pytest.mark.parametrize("shape,max_ctx", WINDOWED, ids=["w37-cap-f32", "w16-bf16"])
-@settings(max_examples=8, deadline=None,
+@settings(max_examples=6, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_window_and_soft_cap_match_float64(shape, max_ctx, data):

@@ -84,11 +84,30 @@ def test_eos_int_list_or_none(eos, want):
     assert ModelConfig.from_hf_config(hf_dict(eos_token_id=eos)).eos_token_id == want
 
 
-def test_mistral_sliding_window_caps_context():
+def test_mistral_sliding_window_is_kept_not_a_context_cap():
     d = hf_dict("MistralForCausalLM", max_position_embeddings=32768, sliding_window=4096)
-    assert ModelConfig.from_hf_config(d).max_position_embeddings == 4096
+    cfg = ModelConfig.from_hf_config(d)
+    assert (cfg.sliding_window, cfg.max_position_embeddings) == (4096, 32768)
     d["sliding_window"] = None
-    assert ModelConfig.from_hf_config(d).max_position_embeddings == 32768
+    assert ModelConfig.from_hf_config(d).sliding_window is None
+
+
+@pytest.mark.parametrize("keys,want", [
+    (dict(use_sliding_window=False, sliding_window=4096, max_window_layers=2), None),
+    (dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), 64),
+    (dict(use_sliding_window=True, sliding_window=64, max_window_layers=2), None),  # >= layers
+    (dict(use_sliding_window=True, sliding_window=64), 64),
+], ids=["off", "every-layer", "no-layer", "no-max-window-layers"])
+def test_qwen2_use_sliding_window(keys, want):
+    d = hf_dict("Qwen2ForCausalLM", num_hidden_layers=2, **keys)
+    assert ModelConfig.from_hf_config(d).sliding_window == want
+
+
+def test_a_window_on_some_layers_only_is_refused():
+    d = hf_dict("Qwen2ForCausalLM", num_hidden_layers=4, use_sliding_window=True,
+                sliding_window=64, max_window_layers=2)
+    with pytest.raises(ValueError, match="max_window_layers=2 < num_hidden_layers=4"):
+        ModelConfig.from_hf_config(d)
 
 
 _LLAMA3_LAYOUTS = {
@@ -185,10 +204,10 @@ def test_model_type_fallback_covers_exactly_the_registry():
     assert sorted(MODEL_TYPE_ARCHITECTURES.values()) == supported_architectures()
 
 
-def test_mistral_fallback_keeps_the_sliding_window_cap():
+def test_mistral_fallback_keeps_the_sliding_window():
     d = hf_dict(architectures=None, model_type="mistral", max_position_embeddings=32768,
                 sliding_window=4096)
-    assert ModelConfig.from_hf_config(d).max_position_embeddings == 4096
+    assert ModelConfig.from_hf_config(d).sliding_window == 4096
 
 
 def test_architectures_wins_over_model_type():

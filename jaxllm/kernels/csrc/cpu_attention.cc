@@ -4,9 +4,15 @@
 // Owns: the XLA FFI handler `JaxllmRaggedPagedAttention`: checking the batch metadata, cutting
 // the batch into work items (sequence x query tile x key range), running them on the thread
 // pool, merging split key ranges, and zeroing padding rows.
-// Must never: read a cache slot that no query of its item may see (invisible slots may hold
-// NaN, and may not even be backed by a valid page) or anything of sequences past num_seqs;
+// Must never: read a cache slot that no query of its item may see, past its rows or before
+// their sliding window (invisible slots may hold NaN, and may not even be backed by a valid
+// page), or anything of sequences past num_seqs; visit key blocks wholly before a window;
 // trust the metadata with memory (every index is checked before the first read).
+//
+// Options (kernels/reference.py): sliding_window W > 0 (0: none): row at position p sees keys
+// (p - W, p]; an item's key blocks start at the block of its first row's window, and within a
+// block a row's visible lanes are [lo, nv). logits_soft_cap c > 0 (0: none): scores become
+// c tanh(s / c) before the softmax.
 
 #include <algorithm>
 #include <cstdint>
@@ -53,6 +59,8 @@ struct Batch {
   void* out;
   const int32_t* block_tables;
   float sm_scale;
+  int window;      // sliding window in keys, 0: none
+  float soft_cap;  // logit soft cap, 0: none
   Shapes sh;
   long part_stride;  // floats per partial slot: max rows x N x (m, l, H values)
 };
@@ -99,7 +107,8 @@ Scratch& ThreadScratch() {
 // Checks every index the items will follow, and builds the items. Returns an error message,
 // empty when the metadata is sound.
 std::string MakePlan(const Shapes& sh, const int32_t* block_tables, const int32_t* seq_lens,
-                     const int32_t* qsl, int num_seqs, int threads, Plan* plan) {
+                     const int32_t* qsl, int num_seqs, int window, int threads,
+                     Plan* plan) {
   num_seqs = std::clamp(num_seqs, 0, sh.S);
   plan->row_begin = num_seqs > 0 ? qsl[0] : 0;
   plan->row_end = num_seqs > 0 ? qsl[num_seqs] : 0;
@@ -118,19 +127,23 @@ std::string MakePlan(const Shapes& sh, const int32_t* block_tables, const int32_
              " or beyond the block table";
     }
     const int32_t* bt = block_tables + static_cast<long>(s) * sh.W;
-    for (int b = 0; b < (seq_len + sh.P - 1) / sh.P; ++b) {
+    const int ctx = static_cast<int>(seq_len - q_len);
+    // The first key any row of s sees: pages before it are never read (nor checked).
+    const int first_seen = window > 0 ? std::max(0, ctx - window + 1) : 0;
+    for (int b = first_seen / sh.P; b < (seq_len + sh.P - 1) / sh.P; ++b) {
       if (bt[b] < 0 || bt[b] >= sh.num_blocks) {
         return "sequence " + std::to_string(s) + " has block id " + std::to_string(bt[b]) +
                " outside the cache";
       }
     }
-    const int ctx = static_cast<int>(seq_len - q_len);
     for (int r = 0; r < q_len; r += kTileRows) {
       const int rows = static_cast<int>(std::min<long>(kTileRows, q_len - r));
       const int last = ctx + r + rows - 1;  // position of the tile's last row
-      const int blocks = last / kBlockKeys + 1;
+      const int kb_begin = (window > 0 ? std::max(0, ctx + r - window + 1) : 0) / kBlockKeys;
+      const int blocks = last / kBlockKeys + 1 - kb_begin;
       double cost = static_cast<double>(blocks) * kBlockKeys * (rows * sh.N + per_key_read);
-      plan->items.push_back({s, qsl[s] + r, rows, ctx + r, 0, blocks, -1, cost});
+      plan->items.push_back({s, qsl[s] + r, rows, ctx + r, kb_begin, kb_begin + blocks, -1,
+                             cost});
       plan->max_rows = std::max(plan->max_rows, rows);
       total += cost;
     }
@@ -140,7 +153,7 @@ std::string MakePlan(const Shapes& sh, const int32_t* block_tables, const int32_
     std::vector<Item> whole;
     int parts_used = 0;
     for (const Item& it : plan->items) {
-      int blocks = it.kb_end;
+      const int blocks = it.kb_end - it.kb_begin;
       int parts = std::min(static_cast<int>(it.cost / target), blocks / kMinPartBlocks);
       if (parts < 2) {
         whole.push_back(it);
@@ -149,8 +162,8 @@ std::string MakePlan(const Shapes& sh, const int32_t* block_tables, const int32_
       plan->splits.push_back({it.row0, it.num_rows, parts_used, parts});
       for (int p = 0; p < parts; ++p) {
         Item part = it;
-        part.kb_begin = static_cast<int>(static_cast<long>(blocks) * p / parts);
-        part.kb_end = static_cast<int>(static_cast<long>(blocks) * (p + 1) / parts);
+        part.kb_begin = it.kb_begin + static_cast<int>(static_cast<long>(blocks) * p / parts);
+        part.kb_end = it.kb_begin + static_cast<int>(static_cast<long>(blocks) * (p + 1) / parts);
         part.part = parts_used + p;
         part.cost = it.cost * (part.kb_end - part.kb_begin) / blocks;
         whole.push_back(part);
@@ -168,22 +181,24 @@ std::string MakePlan(const Shapes& sh, const int32_t* block_tables, const int32_
 template <Storage S>
 constexpr int kElemBytes = S == Storage::kF32 ? 4 : 2;
 
-// The K and V row addresses (all kv heads) of the n <= 16 visible key positions of one block,
+// The K and V row addresses (all kv heads) of the key positions [first, n) of one block that
+// some row of the item sees (first > 0: the item's window starts inside the block; n <= 16),
 // computed once per block (one division; the block is consecutive slots of one or two pages).
 struct BlockRows {
   const char* k[kBlockKeys];
   const char* v[kBlockKeys];
-  int n = 0;
+  int first = 0, n = 0;
   long row_bytes = 0;
   bool contiguous = false;  // 16 consecutive slots (always so when block_size % 16 == 0)
 
   template <Storage S>
-  void Fill(const Batch& b, const int32_t* bt, int kb0, int num) {
+  void Fill(const Batch& b, const int32_t* bt, int kb0, int j0, int num) {
     const Shapes& sh = b.sh;
     row_bytes = static_cast<long>(sh.K) * sh.H * kElemBytes<S>;
+    first = j0;
     n = num;
-    int page = kb0 / sh.P, offset = kb0 % sh.P;
-    for (int j = 0; j < n; ++j) {
+    int page = (kb0 + j0) / sh.P, offset = (kb0 + j0) % sh.P;
+    for (int j = j0; j < n; ++j) {
       const long slot = static_cast<long>(bt[page]) * sh.P + offset;
       k[j] = static_cast<const char*>(b.k_cache) + slot * row_bytes;
       v[j] = static_cast<const char*>(b.v_cache) + slot * row_bytes;
@@ -192,7 +207,7 @@ struct BlockRows {
         ++page;
       }
     }
-    contiguous = n == kBlockKeys && k[n - 1] == k[0] + (n - 1) * row_bytes;
+    contiguous = first == 0 && n == kBlockKeys && k[n - 1] == k[0] + (n - 1) * row_bytes;
   }
 };
 
@@ -206,9 +221,9 @@ class PrefetchCursor {
   // `steps`: how many Step() calls will follow.
   void Start(const BlockRows* rows, int steps) {
     rows_ = rows;
-    const long lines = rows->n * ((rows->row_bytes + 63) / 64);
+    const long lines = (rows->n - rows->first) * ((rows->row_bytes + 63) / 64);
     per_step_ = static_cast<int>((lines + steps - 1) / std::max(steps, 1));
-    row_ = 0;
+    row_ = rows->first;
     offset_ = 0;
   }
   void Stop() { rows_ = nullptr; }
@@ -237,9 +252,10 @@ class PrefetchCursor {
 template <Storage S>
 using ComputeType = std::conditional_t<S == Storage::kBF16, Bf16, float>;
 
-// The rows of kv head `kh` of the current block (row addresses `rows`, n of them): straight
-// in the cache when they are a full block of consecutive slots in the compute type, else
-// copied or converted into `scratch` with zero rows past n (never read from the cache).
+// The rows of kv head `kh` of the current block (row addresses `rows`, [first, n) of them):
+// straight in the cache when they are a full block of consecutive slots in the compute type,
+// else copied or converted into `scratch` with zero rows before first and past n (never read
+// from the cache).
 template <Storage S>
 const ComputeType<S>* HeadRows(const BlockRows& block, const char* const* rows, int kh,
                                const Shapes& sh, float* scratch, int* zero_from, long* ld) {
@@ -253,7 +269,8 @@ const ComputeType<S>* HeadRows(const BlockRows& block, const char* const* rows, 
     }
   }
   E* out = reinterpret_cast<E*>(scratch);
-  for (int j = 0; j < n; ++j) {
+  if (block.first > 0) std::memset(out, 0, block.first * sh.H * sizeof(E));
+  for (int j = block.first; j < n; ++j) {
     const char* src = rows[j] + head_off * kElemBytes<S>;
     if constexpr (S == Storage::kF16) {
       RowToF32<S>(src, scratch + static_cast<long>(j) * sh.H, sh.H);
@@ -300,13 +317,16 @@ void RunItem(const Batch& b, const Item& it, Scratch& sc, float* partials) {
   const int32_t* bt = b.block_tables + static_cast<long>(it.seq) * sh.W;
   const int last = it.first_pos + rows - 1;  // keys past it are invisible to every row
   const int kb_end = std::min(it.kb_end, last / kBlockKeys + 1);
+  // Keys before the first row's window are invisible to every row.
+  const int window = b.window;
+  const int first_key = window > 0 ? std::max(0, it.first_pos - window + 1) : 0;
   float* alpha = sc.alpha.data();
   // Rows of the current block and of the kPrefetchDistance blocks after it (a ring).
   BlockRows blocks[kPrefetchDistance + 1];
   auto fill = [&](int blk) -> BlockRows& {
     BlockRows& r = blocks[blk % (kPrefetchDistance + 1)];
     const int kb0 = blk * kBlockKeys;
-    r.Fill<S>(b, bt, kb0, std::min(kBlockKeys, last + 1 - kb0));
+    r.Fill<S>(b, bt, kb0, std::max(0, first_key - kb0), std::min(kBlockKeys, last + 1 - kb0));
     return r;
   };
   PrefetchCursor prefetch;
@@ -319,9 +339,13 @@ void RunItem(const Batch& b, const Item& it, Scratch& sc, float* partials) {
     const BlockRows& cur = blocks[blk % (kPrefetchDistance + 1)];
     const int kb0 = blk * kBlockKeys, n = cur.n;  // n: keys visible to the last row
     const int first_row = std::max(0, kb0 - it.first_pos);  // rows before see nothing here
+    // Rows from end_row on: their window starts past this block.
+    const int end_row = window > 0 ? std::clamp(kb0 + kBlockKeys - 1 + window - it.first_pos,
+                                                first_row, rows)
+                                   : rows;
     if (blk + kPrefetchDistance < kb_end) {
       // Spread over the Step() calls below.
-      prefetch.Start(&fill(blk + kPrefetchDistance), 2 * sh.K * (rows - first_row));
+      prefetch.Start(&fill(blk + kPrefetchDistance), 2 * sh.K * (end_row - first_row));
     } else {
       prefetch.Stop();
     }
@@ -329,13 +353,16 @@ void RunItem(const Batch& b, const Item& it, Scratch& sc, float* partials) {
       long ldk, ldv;
       const E* k = HeadRows<S>(cur, cur.k, kh, sh, sc.kf.data(), &sc.kf_zero_from, &ldk);
       const E* v = HeadRows<S>(cur, cur.v, kh, sh, sc.vf.data(), &sc.vf_zero_from, &ldv);
-      for (int i = first_row; i < rows; ++i) {
-        const int nv = std::min(n, it.first_pos + i - kb0 + 1);
+      for (int i = first_row; i < end_row; ++i) {
+        const int pos = it.first_pos + i;
+        const int nv = std::min(n, pos - kb0 + 1);
+        const int lo = window > 0 ? std::max(0, pos - window + 1 - kb0) : 0;
         const long h0 = static_cast<long>(i) * N + kh * G;  // (row, first query head)
         prefetch.Step();
         DotGroup<kH>(q + h0 * H, G, k, ldk, H, b.sm_scale, sc.scores.data());
+        if (b.soft_cap > 0.0f) SoftCap(sc.scores.data(), 16 * G, b.soft_cap);
         for (int g = 0; g < G; ++g) {
-          alpha[g] = SoftmaxBlock(sc.scores.data() + 16 * g, nv, &sc.m[h0 + g],
+          alpha[g] = SoftmaxBlock(sc.scores.data() + 16 * g, lo, nv, &sc.m[h0 + g],
                                   &sc.l[h0 + g], sc.p.data() + 16 * g);
         }
         prefetch.Step();
@@ -417,6 +444,7 @@ void Run(const Batch& b, const Plan& plan) {
 ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                      Int32Matrix block_tables, Int32Vector seq_lens,
                      Int32Vector query_start_loc, Int32Scalar num_seqs, float sm_scale,
+                     int32_t sliding_window, float logits_soft_cap,
                      ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || v_cache.dimensions().size() != 4) {
@@ -454,14 +482,18 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_
         "uint16 holding its bits");
   }
 
+  if (sliding_window < 0 || !(logits_soft_cap >= 0.0f)) {
+    return ffi::Error::InvalidArgument("sliding_window and logits_soft_cap must be >= 0");
+  }
   Plan plan;
   ThreadPool& pool = ThreadPool::Get();
   std::string problem = MakePlan(sh, block_tables.typed_data(), seq_lens.typed_data(),
                                  query_start_loc.typed_data(), num_seqs.typed_data()[0],
-                                 pool.size(), &plan);
+                                 sliding_window, pool.size(), &plan);
   if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
   Batch b{q.untyped_data(), k_cache.untyped_data(), v_cache.untyped_data(),
-          out->untyped_data(), block_tables.typed_data(), sm_scale, sh,
+          out->untyped_data(), block_tables.typed_data(), sm_scale, sliding_window,
+          logits_soft_cap, sh,
           static_cast<long>(plan.max_rows) * sh.N * (sh.H + 2)};
   switch (st) {
     case Storage::kF32: Run<Storage::kF32>(b, plan); break;
@@ -497,4 +529,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, jaxllm::Attention,
                                   .Arg<Int32Vector>()              // query_start_loc
                                   .Arg<Int32Scalar>()              // num_seqs
                                   .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")   // 0: none
+                                  .Attr<float>("logits_soft_cap")    // 0: none
                                   .Ret<ffi::AnyBuffer>());

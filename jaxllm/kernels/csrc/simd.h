@@ -239,12 +239,33 @@ inline void DotGroup(const E* q, int G, const E* k, long ldk, int head_dim, floa
   }
 }
 
-// Online softmax over one block: lanes [0, nv) of `scores` are visible (nv >= 1). Updates the
-// running max `m` and sum `l`; writes probabilities p (0 in lanes >= nv) relative to the new
-// max, and returns the factor that rescales what was accumulated before.
-inline float SoftmaxBlock(const float* scores, int nv, float* m, float* l, float* p) {
+// scores[i] = cap * tanh(scores[i] / cap) for i < n, n a multiple of 16 (Gemma 2's logit soft
+// cap). tanh(x) = sign(x) (1 - e) / (1 + e) with e = e^(-2|x|) <= 1: Exp's range, no overflow,
+// and an absolute error ~1e-7.
+inline void SoftCap(float* scores, int n, float cap) {
+  const float inv = 1.0f / cap;
 #if defined(__AVX512F__)
-  const __mmask16 visible = static_cast<__mmask16>(nv >= 16 ? 0xffffu : (1u << nv) - 1u);
+  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+  for (int i = 0; i < n; i += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(scores + i), _mm512_set1_ps(inv));
+    const __m512 e = Exp(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(x)));
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));  // tanh |x|
+    t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), zero, t);
+    _mm512_storeu_ps(scores + i, _mm512_mul_ps(t, _mm512_set1_ps(cap)));
+  }
+#else
+  for (int i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] * inv);
+#endif
+}
+
+// Online softmax over one block: lanes [lo, nv) of `scores` are visible (lo < nv; lo > 0 only
+// for a row whose sliding window starts inside the block). Updates the running max `m` and
+// sum `l`; writes probabilities p (0 in the other lanes) relative to the new max, and returns
+// the factor that rescales what was accumulated before.
+inline float SoftmaxBlock(const float* scores, int lo, int nv, float* m, float* l, float* p) {
+#if defined(__AVX512F__)
+  const __mmask16 visible = static_cast<__mmask16>(
+      (nv >= 16 ? 0xffffu : (1u << nv) - 1u) & (0xffffu << lo));
   const __m512 s = _mm512_loadu_ps(scores);
   const float block_max = _mm512_mask_reduce_max_ps(visible, s);
   const float m_new = block_max > *m ? block_max : *m;  // (std::fmax is a libm call)
@@ -257,10 +278,10 @@ inline float SoftmaxBlock(const float* scores, int nv, float* m, float* l, float
                                   : _mm512_cvtss_f32(Exp(_mm512_set1_ps(*m - m_new)));
 #else
   float m_new = *m;
-  for (int j = 0; j < nv; ++j) m_new = scores[j] > m_new ? scores[j] : m_new;
+  for (int j = lo; j < nv; ++j) m_new = scores[j] > m_new ? scores[j] : m_new;
   float sum = 0.0f;
   for (int j = 0; j < 16; ++j) {
-    p[j] = j < nv ? std::exp(scores[j] - m_new) : 0.0f;
+    p[j] = j >= lo && j < nv ? std::exp(scores[j] - m_new) : 0.0f;
     sum += p[j];
   }
   const float alpha = m_new == *m ? 1.0f : std::exp(*m - m_new);  // 0 on the first block
