@@ -200,7 +200,9 @@ _JSON_CASES = [
     ("config_no_architectures_no_model_type", "config.json",
      lambda cfg: _without("model_type")(_without("architectures")(cfg)),
      "{path}: cannot pick a model class: config key 'architectures' is missing or empty and "
-     "'model_type' is missing; set 'architectures' or use a supported 'model_type': 'llama' "
+     "'model_type' is missing; set 'architectures' or use a supported 'model_type': 'gemma' "
+     "(GemmaForCausalLM), 'gemma2' (Gemma2ForCausalLM), 'gemma3' (Gemma3ForCausalLM), "
+     "'gemma3_text' (Gemma3ForCausalLM), 'llama' "
      "(LlamaForCausalLM), 'mistral' (MistralForCausalLM), 'qwen2' (Qwen2ForCausalLM), "
      "'qwen3' (Qwen3ForCausalLM)"),
     ("generation_config_truncated", "generation_config.json", b'{"temperature":',
