@@ -5,8 +5,8 @@ through the paged step: test_parity_hf.py; an engine start costs seconds on two 
 The tiny random models of test_parity_hf.py's Gemma cases (SmolLM2's vocabulary, so that
 LLM(dir) has a tokenizer) are written as HF directories here; one subprocess on two host CPU
 devices runs an engine per family (max_num_batched_tokens=16: prompts of 23 and
-30 tokens prefill in chunks). The engines use the "xla" attention backend, whose window and
-soft-cap the reference oracle checks (tests/kernels).
+30 tokens prefill in chunks), with the CPU defaults: the C++ attention kernel (window and
+soft-cap, under shard_map) and the C++ GEMM.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _SCRIPT = textwrap.dedent("""
     prompts = [{{"prompt_token_ids": ids}} for ids in {prompts!r}]
     greedy = SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True)
     for name, d in {dirs!r}:
-        llm = LLM(d, tensor_parallel_size=2, attention_backend="xla", dtype="float32",
+        llm = LLM(d, tensor_parallel_size=2, dtype="float32",
                   max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
                   enforce_eager=True, use_tqdm_on_load=False)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
