@@ -27,6 +27,28 @@ logging.getLogger("transformers").addFilter(_NoTorchAdvisory())
 import transformers  # noqa: E402
 
 
+# Gemma's chat turns, for Gemma GGUF files that carry no template (the Gemma 3 270M one does
+# not; llama.cpp falls back to the same format): a system message opens the first user turn
+# (Gemma has no system role), the assistant's turns are "model" turns.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] if message['content'] is string else "
+    "message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') "
+    "| join('\n\n') -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.system = content | trim + '\n\n' -%}"
+    "{%- else -%}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role'])"
+    " + '\n' + ns.system + content | trim + '<end_of_turn>\n' }}"
+    "{%- set ns.system = '' -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+_FALLBACK_CHAT_TEMPLATES = {"gemma": GEMMA_CHAT_TEMPLATE, "gemma2": GEMMA_CHAT_TEMPLATE,
+                            "gemma3": GEMMA_CHAT_TEMPLATE}
+
+
 def get_tokenizer(path_or_id: str | os.PathLike, *, gguf_file: str | os.PathLike | None = None,
                   trust_remote_code: bool = False) -> transformers.PreTrainedTokenizerFast:
     """The tokenizer of a model.
@@ -61,8 +83,8 @@ def saved_tokenizer(directory: str) -> transformers.PreTrainedTokenizerFast:
 def tokenizer_from_gguf(gguf_path: str, reader: Any = None) -> transformers.PreTrainedTokenizerFast:
     """Build the fast tokenizer a GGUF file describes (no torch).
 
-    reader: an already open `gguf.GGUFReader` of the same file, to share with the weight loader
-    (building one parses every metadata string and takes seconds).
+    reader: the same file already open (models/gguf.py `open_gguf`), to share with the weight
+    loader.
     """
     # Imported here: the converter module pulls in several tokenizer classes we only need for GGUF.
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
@@ -75,6 +97,8 @@ def tokenizer_from_gguf(gguf_path: str, reader: Any = None) -> transformers.PreT
     # post-processor is rebuilt to match them instead of keeping whatever the converter left.
     kwargs.setdefault("add_bos_token", False)
     kwargs.setdefault("add_eos_token", False)
+    if "chat_template" not in kwargs and architecture in _FALLBACK_CHAT_TEMPLATES:
+        kwargs["chat_template"] = _FALLBACK_CHAT_TEMPLATES[architecture]
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
 
 
@@ -93,9 +117,7 @@ def read_gguf_tokenizer_metadata(
     if reader is None:
         reader = open_gguf(gguf_path)  # a corrupt file raises an error that names it
 
-    def value(key: str) -> Any:
-        field = reader.fields.get(key)
-        return None if field is None else field.contents()
+    value = reader.get
 
     architecture = value("general.architecture")
     grouped: dict[str, dict[str, Any]] = {}

@@ -28,10 +28,24 @@ MODEL_TYPE_ARCHITECTURES = {
     "opt": "OPTForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "phi3": "Phi3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",  # the text model of a config that nests a text_config
 }
 
-# Architectures whose MLPs are mixtures of experts (models/moe.py), and what they read.
+# Architectures whose MLPs are mixtures of experts (models/moe.py).
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+# The Gemma family (models/gemma.py) and HF's defaults for what a config.json may leave out.
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GEMMA_DEFAULTS = {
+    # architecture: (sliding-window layer period, attention softcap, final softcap)
+    "GemmaForCausalLM": (None, None, None),
+    "Gemma2ForCausalLM": (2, 50.0, 30.0),
+    "Gemma3ForCausalLM": (6, None, None),
+}
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` entries
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -88,6 +102,15 @@ class ModelConfig:
     attn_scale_by_head_dim: bool = True  # GPT-2 `scale_attn_weights`
     attn_scale_by_inverse_layer_idx: bool = False  # GPT-2: scores / (layer index + 1)
     partial_rotary_factor: float = 1.0  # rotate the first head_dim * factor dims only
+    # Gemma family (models/gemma.py); the defaults leave Llama as it is.
+    rms_norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP
+    query_pre_attn_scalar: float | None = None  # attention scale scalar ** -0.5 (else head_dim)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores c * tanh(s / c)
+    final_logit_softcapping: float | None = None  # Gemma 2/3: logits c * tanh(l / c)
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL (sliding_window's layers);
+    # () with a sliding_window: every layer is SLIDING
+    rope_local_theta: float | None = None  # RoPE base of the SLIDING layers (Gemma 3)
     # Rows of the embedding and the LM head when tensor parallelism pads the vocabulary to
     # a multiple of its size (models/tp_layout.py); None: vocab_size. Logits keep vocab_size.
     padded_vocab_size: int | None = None
@@ -136,6 +159,10 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers or
+                                 not set(self.layer_types) <= {SLIDING, FULL}):
+            raise ValueError(f"layer_types must name {self.num_hidden_layers} layers, each "
+                             f"{SLIDING!r} or {FULL!r}; got {list(self.layer_types)}")
 
     @property
     def num_embeddings(self) -> int:
@@ -149,6 +176,22 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == SLIDING
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of layer `layer` (None: it attends to the whole context)."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(RoPE base, scaling) of layer `layer`: Gemma 3's sliding layers have their own
+        base, and no scaling."""
+        if self.rope_local_theta is not None and self.is_sliding(layer):
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> "ModelConfig":
         """Build from a `config.json` dict (or a transformers PretrainedConfig.to_dict()).
@@ -158,6 +201,10 @@ class ModelConfig:
         if not isinstance(hf, Mapping):
             raise ValueError(f"a model config must be a JSON object, got {type(hf).__name__}")
         arch = architecture_of(hf)
+        if arch == "Gemma3ForCausalLM" and isinstance(hf.get("text_config"), Mapping):
+            # model_type "gemma3" (HF's multimodal config): the text model is in text_config.
+            hf = {**{k: hf[k] for k in ("bos_token_id", "eos_token_id") if k in hf},
+                  **hf["text_config"]}
         hf, family = family_fields(arch, hf)
         num_heads = _required_int(hf, "num_attention_heads")
         hidden = _required_int(hf, "hidden_size")
@@ -168,8 +215,10 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         max_pos = _optional_int(hf, "max_position_embeddings")
         max_pos = 2048 if max_pos is None else max_pos
-        rope_scaling = _rope_scaling(hf, max_pos)  # LongRoPE reads the unclamped length
-        return cls(
+        # Gemma 3's per-layer-type RoPE bases are read by _gemma_rope; LongRoPE reads the
+        # unclamped length.
+        rope_scaling = None if arch == "Gemma3ForCausalLM" else _rope_scaling(hf, max_pos)
+        fields = dict(
             architecture=arch,
             vocab_size=_required_int(hf, "vocab_size"),
             hidden_size=hidden,
@@ -186,16 +235,23 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=_qkv_bias(arch, hf),
             o_proj_bias=arch not in _QKV_ONLY_BIAS and bool(hf.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
-            **_moe_fields(arch, hf),
             hidden_act=hf.get("hidden_act") or "silu",
             partial_rotary_factor=_float(hf, "partial_rotary_factor", 0.0) or _float(
                 _rope_params(hf), "partial_rotary_factor", 1.0, where="rope_parameters"),
-            **family,
             sliding_window=_sliding_window(hf),
         )
+        # A family's own fields override the common reading above (models/config_families.py,
+        # the Gemma and mixture-of-experts translations below).
+        fields.update(family)
+        fields.update(_moe_fields(arch, hf))
+        if arch in GEMMA_ARCHITECTURES:
+            # HF's default: tied for Gemma, untied for the Llama family.
+            fields.update(tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                          **_gemma_fields(arch, hf, _required_int(hf, "num_hidden_layers")))
+        return cls(**fields)
 
 
 # Qwen2 and Qwen2-MoE put a bias on q/k/v only (Qwen2 always, Qwen2-MoE per `qkv_bias`).
@@ -278,6 +334,69 @@ def architecture_of(hf: Mapping[str, Any]) -> str:
         f"cannot pick a model class: config key 'architectures' is missing or empty and "
         f"'model_type' {found}; set 'architectures' or use a supported 'model_type': "
         f"{supported}")
+
+
+def _gemma_fields(arch: str, hf: Mapping[str, Any], num_layers: int) -> dict:
+    """ModelConfig fields of a Gemma, Gemma 2 or Gemma 3 config.json (HF's defaults for keys
+    it leaves out)."""
+    period, attn_cap, final_cap = _GEMMA_DEFAULTS[arch]
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("config key 'use_bidirectional_attention' is true: only causal "
+                         "attention is supported")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act in ("gelu", "gelu_pytorch_tanh"):  # Gemma's "gelu" means the tanh form (HF too)
+        act = "gelu_pytorch_tanh"
+    else:
+        raise ValueError(f"config key 'hidden_activation' is {act!r}; Gemma models support "
+                         f"'gelu_pytorch_tanh'")
+    fields: dict[str, Any] = {"hidden_act": act, "rms_norm_unit_offset": True}
+    if period is None:  # Gemma (1): Llama's layout otherwise
+        return fields
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        period = _optional_int(hf, "sliding_window_pattern") or period
+        layer_types = [FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers)]
+    if not isinstance(layer_types, (list, tuple)):
+        raise ValueError(f"config key 'layer_types' must be a list, got {layer_types!r}")
+    rope = _gemma_rope(hf) if arch == "Gemma3ForCausalLM" else {"rope_theta": _rope_theta(hf)}
+    window = _optional_int(hf, "sliding_window")
+    fields.update(
+        sandwich_norms=True,
+        query_pre_attn_scalar=_float(hf, "query_pre_attn_scalar", 256.0),
+        # Gemma 3's config carries attn_logit_softcapping, but HF's and vLLM's Gemma 3 never
+        # apply it: neither do we.
+        attn_logit_softcapping=(_float(hf, "attn_logit_softcapping", 0.0) or None
+                                if arch == "Gemma2ForCausalLM" else None),
+        final_logit_softcapping=(_float(hf, "final_logit_softcapping", 0.0) or None
+                                 if "final_logit_softcapping" in hf else final_cap),
+        sliding_window=4096 if window is None else window,
+        layer_types=tuple(layer_types),
+        **rope)
+    if attn_cap is not None and "attn_logit_softcapping" not in hf:
+        fields["attn_logit_softcapping"] = attn_cap
+    return fields
+
+
+def _gemma_rope(hf: Mapping[str, Any]) -> dict:
+    """Gemma 3's two RoPE bases: global layers' (rope_theta) and sliding layers'
+    (rope_local_base_freq); transformers >= 5 nests them per layer type in rope_parameters."""
+    params = hf.get("rope_parameters") or {}
+    per_type = {}
+    for layer_type, key, default in ((FULL, "rope_theta", 1_000_000.0),
+                                     (SLIDING, "rope_local_base_freq", 10_000.0)):
+        nested = params.get(layer_type) if isinstance(params, Mapping) else None
+        if isinstance(nested, Mapping):
+            kind = nested.get("rope_type") or nested.get("type")
+            if kind not in (None, "default"):
+                raise ValueError(f"rope_parameters[{layer_type!r}] type {kind!r} is not "
+                                 f"supported for Gemma 3 (supported: 'default')")
+            per_type[layer_type] = _float(nested, "rope_theta", default, "rope_parameters")
+        else:
+            per_type[layer_type] = _float(hf, key, default)
+    if hf.get("rope_scaling"):
+        raise ValueError(f"config key 'rope_scaling' ({hf['rope_scaling']!r}) is not "
+                         f"supported for Gemma 3")
+    return {"rope_theta": per_type[FULL], "rope_local_theta": per_type[SLIDING]}
 
 
 def _optional_int(hf: Mapping[str, Any], key: str) -> int | None:

@@ -7,6 +7,8 @@ Norms and RoPE angles are computed in float32 whatever the parameter dtype: in b
 variance of a 4k-wide row and angles at position ~8k lose too many bits, and HF does the same.
 A family picks its norm, positional scheme and activation by ModelConfig flags (`make_norm`,
 `Rope.from_config`, `activation`), never by a copy of these layers.
+Per-layer attention options (a sliding window, its own RoPE base, soft-capped scores) are read
+from ModelConfig at construction (`ModelConfig.layer_*`), so a layer's step is static.
 """
 
 from __future__ import annotations
@@ -25,14 +27,21 @@ from jaxllm.models.hooks import NO_HOOKS, StepHooks
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))  # [dim]
+    """unit_offset: Gemma's norm, which scales by (1 + weight) (checkpoints store weight)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, unit_offset: bool = False):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if unit_offset
+                                else jnp.ones((dim,), dtype))  # [dim]
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
         y = x32 * jax.lax.rsqrt(var + self.eps)
+        if self.unit_offset:
+            # Gemma (HF): the scale multiply in float32 too, and only then the cast.
+            return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         # HF casts back to the input dtype before the weight multiply; match it bit for bit.
         return self.weight[...] * y.astype(x.dtype)
 
@@ -54,10 +63,16 @@ class LayerNorm(nnx.Module):
                 + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def rms_norm(cfg: ModelConfig, dim: int, dtype) -> RMSNorm:
+    """The family's RMSNorm over `dim` (Gemma's (1 + weight) when the config says so)."""
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype=dtype, unit_offset=cfg.rms_norm_unit_offset)
+
+
 def make_norm(cfg: ModelConfig, dim: int, *, dtype):
     """The family's norm over `dim`: RMSNorm, or LayerNorm with bias (cfg.norm_type)."""
-    cls = LayerNorm if cfg.norm_type == "layer" else RMSNorm
-    return cls(dim, cfg.rms_norm_eps, dtype=dtype)
+    if cfg.norm_type == "layer":
+        return LayerNorm(dim, cfg.rms_norm_eps, dtype=dtype)
+    return rms_norm(cfg, dim, dtype)
 
 
 def _gelu_tanh(x):
@@ -72,7 +87,7 @@ def _gelu_erf(x):
 ACTIVATIONS = {
     "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
     "gelu": _gelu_erf, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,  # Gemma's GeGLU: gelu_pytorch_tanh
 }
 
 
@@ -156,16 +171,17 @@ class Rope:
     use_long: bool = False
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> "Rope":
+    def from_config(cls, cfg: ModelConfig, layer: int = 0) -> "Rope":
+        """Layer `layer`'s rotary embedding (Gemma 3's sliding layers have their own base)."""
         R = int(cfg.head_dim * cfg.partial_rotary_factor)
-        scaling = cfg.rope_scaling
+        theta, scaling = cfg.layer_rope(layer)
         if not isinstance(scaling, LongRopeScaling):
-            return cls(tuple(float(f) for f in rope_inv_freq(R, cfg.rope_theta, scaling)))
+            return cls(tuple(float(f) for f in rope_inv_freq(R, theta, scaling)))
         for name in ("short_factor", "long_factor"):
             if len(getattr(scaling, name)) != R // 2:
                 raise ValueError(f"longrope {name} has {len(getattr(scaling, name))} entries; "
                                  f"the model rotates {R} dims per head, so it needs {R // 2}")
-        short, long = (tuple(float(f) for f in long_rope_inv_freq(R, cfg.rope_theta, fs))
+        short, long = (tuple(float(f) for f in long_rope_inv_freq(R, theta, fs))
                        for fs in (scaling.short_factor, scaling.long_factor))
         original = scaling.original_max_position_embeddings
         return cls(short, long, original, scaling.attention_factor,
@@ -226,7 +242,10 @@ class MLP(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, layer_idx: int = 0):
+    """layer: the layer's index, for its per-layer options (window, RoPE base, GPT-2's
+    inverse-layer scale)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, layer: int = 0):
         D, N, K, H = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                       cfg.head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
@@ -235,17 +254,22 @@ class Attention(nnx.Module):
         self.v_proj = _linear(D, K * H, cfg.attention_bias, dtype, rngs)
         self.o_proj = _linear(N * H, D, cfg.o_proj_bias, dtype, rngs)
         if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k, before RoPE
-            self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
+            self.q_norm = rms_norm(cfg, H, dtype)
+            self.k_norm = rms_norm(cfg, H, dtype)
         else:
             self.q_norm = self.k_norm = None
         # None: learned positions, added to the embeddings instead (OPT, GPT-2).
-        self.rope = Rope.from_config(cfg) if cfg.position_embedding == "rope" else None
+        self.rope = (Rope.from_config(cfg, layer) if cfg.position_embedding == "rope"
+                     else None)
         # OPT multiplies q by H**-0.5 before the product; the same scale here (as vLLM).
-        self.sm_scale = 1.0 / math.sqrt(H) if cfg.attn_scale_by_head_dim else 1.0
+        # Gemma 2/3 scale scores by query_pre_attn_scalar ** -0.5 (head_dim by default).
+        self.sm_scale = (1.0 / math.sqrt(cfg.query_pre_attn_scalar or H)
+                         if cfg.attn_scale_by_head_dim else 1.0)
         if cfg.attn_scale_by_inverse_layer_idx:
-            self.sm_scale /= layer_idx + 1
-        self.sliding_window = cfg.sliding_window  # static: part of the graphdef
+            self.sm_scale /= layer + 1
+        # The attention options (kernels/backends.py); static: part of the graphdef.
+        self.sliding_window = cfg.layer_sliding_window(layer)
+        self.logits_soft_cap = cfg.attn_logit_softcapping
 
     def project_qk(self, x_TD, positions_T, ops):
         """The queries [T, N, H] and keys [T, K, H] attention compares, RoPE applied (also
@@ -270,6 +294,7 @@ class Attention(nnx.Module):
         q_TNH, k_TKH = hooks.at("q", layer, q_TNH), hooks.at("k", layer, k_TKH)
         v_TKH = hooks.at("v", layer, v_TKH)
         o_TNH, kv = ops.attention(q_TNH, k_TKH, v_TKH, kv, md, sm_scale=self.sm_scale,
-                                  sliding_window=self.sliding_window)
+                                  sliding_window=self.sliding_window,
+                                  logits_soft_cap=self.logits_soft_cap)
         o_TNH = hooks.at("z", layer, o_TNH)
         return ops.row_parallel(self.o_proj, o_TNH.reshape(T, -1)), kv

