@@ -84,7 +84,7 @@ def test_a_top_k_past_int32_fails_no_other_clients_request(server):
     ("/v1/completions", {"prompt": "Hi", "seed": 2**63}, "seed",
      "Input should be less than or equal to 9223372036854775807 (seed)"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -2}, "top_logprobs",
-     "Input should be greater than or equal to -1 (top_logprobs)"),
+     "`top_logprobs` must be a positive value or -1."),  # vLLM's message
 ])
 def test_numbers_past_their_width_are_400s_naming_the_field(server, path, body, param,
                                                             message):
@@ -172,8 +172,8 @@ def test_a_minus_inf_logprob_is_stated_as_vllms_floor():
 
     entry = {7: Logprob(0.0, 1, "a"), 9: Logprob(-math.inf, 2, "b")}
     c = CompletionOutput(0, "a", [7], 0.0, [entry], "length")
-    legacy = completion_logprobs(c, 2, 0)
+    legacy = completion_logprobs(c.token_ids, c.logprobs, 2, 0)
     assert legacy["top_logprobs"] == [{"a": 0.0, "b": -9999.0}]
-    chat = chat_logprobs(c, 2)
+    chat = chat_logprobs(c.token_ids, c.logprobs, 2)
     assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [0.0, -9999.0]
     json.dumps([legacy, chat], allow_nan=False)  # what a JSON response needs

@@ -79,11 +79,15 @@ class InternalErrors:
 def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, trust_request_chat_template: bool = False,
               max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS,
-              enable_auto_tools: bool = False, tool_parser: str | None = None) -> FastAPI:
+              enable_auto_tools: bool = False, tool_parser: str | None = None,
+              return_tokens_as_token_ids: bool = False,
+              enable_prompt_tokens_details: bool = False) -> FastAPI:
     serving = OpenAIServing(engine, served_model_names, chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             max_completion_prompts=max_completion_prompts,
-                            enable_auto_tools=enable_auto_tools, tool_parser=tool_parser)
+                            enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
+                            return_tokens_as_token_ids=return_tokens_as_token_ids,
+                            enable_prompt_tokens_details=enable_prompt_tokens_details)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -104,7 +108,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         message = first.get("msg", "invalid request")
         if first.get("type") == "value_error":  # our own checks: their message as written
-            message = str(first.get("ctx", {}).get("error", message))
+            error = first.get("ctx", {}).get("error", message)
+            if getattr(error, "param", None):  # a ParameterError: it names its field
+                return error_response(400, str(error), "BadRequestError", error.param)
+            message = str(error)
         return error_response(400, message + (f" ({param})" if param else ""),
                               "BadRequestError", param)
 
@@ -149,6 +156,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         return requested
 
     async def respond(result, request: Request):
+        if isinstance(result, Response):  # the client left: nobody reads it
+            return result
         if not isinstance(result, dict):  # a stream of SSE chunks
             return StreamingResponse(result, media_type="text/event-stream")
         return JSONResponse(result)
