@@ -14,7 +14,7 @@ from typing import Any
 from jaxllm.structured_outputs import StructuredOutputsParams
 from jaxllm.unicode_text import check_text
 from jaxllm.value_ranges import (FLOAT32_MAX, FLOAT32_MIN_POSITIVE, INT32_MAX, INT64_MAX,
-                                 INT64_MIN, Range)
+                                 INT64_MIN, ParameterError, Range)
 
 # Temperatures below this mean greedy decoding (vLLM's `_SAMPLING_EPS`). Unlike vLLM we do not
 # raise temperatures in [1e-5, 1e-2) to 1e-2: our sampler works on logits / T with max-shifted
@@ -44,12 +44,12 @@ def _logit_bias(bias: dict) -> dict[int, float]:
             bad.append(token)
             continue
         if not _is_real(value) or value != value:  # NaN
-            raise ValueError(f"logit_bias values must be numbers, got {value!r:.40} for "
-                             f"token {token!r:.40}.")
+            raise ParameterError(f"logit_bias values must be numbers, got {value!r:.40} for "
+                                 f"token {token!r:.40}.", "logit_bias")
         out[token_id] = float(min(100.0, max(-100.0, value)))  # an int of any size
     if bad:
-        raise ValueError("logit_bias contains key(s) that cannot be converted to integer "
-                         f"token IDs: {bad!r:.200}")
+        raise ParameterError("logit_bias contains key(s) that cannot be converted to integer "
+                             f"token IDs: {bad!r:.200}", "logit_bias")
     return out
 
 

@@ -12,22 +12,17 @@ import math
 
 import pytest
 
-from engine_e2e.tiny_model import build_tiny_llama_dir
 from jaxllm.entrypoints.openai.serving import OpenAIServing
 
-from inprocess_app import InProcessApp, error_of
+from inprocess_app import error_of
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # Request templates are trusted here, so that what a template renders reaches the
-    # checks (an untrusted one is refused before rendering: test_request_limits.py).
-    app = InProcessApp(build_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_bad"))),
-                       trust_request_chat_template=True)
-    yield app
-    app.shutdown()
+def server(inprocess_server):
+    # The shared in-process server (conftest.py): request templates are trusted there.
+    return inprocess_server
 
 
 @pytest.fixture(autouse=True)
