@@ -329,3 +329,16 @@ def test_fields_without_effect_are_accepted_and_refused_ones_only_when_asked(ser
     for name, value in on.items():
         path, body = (C, {"prompt": "Hi"}) if name == "suffix" else (CH, {"messages": ASK})
         assert error_of(server.post(path, {**body, name: value}), 400)["param"] == name
+
+
+def test_stream_interval_holds_deltas_until_they_hold_that_many_tokens(server):
+    body = {"max_tokens": 8, "return_token_ids": True, **GREEDY}
+    whole = ok(server.post(C, {**body, "prompt": "Hi"}))["choices"][0]["token_ids"]
+    for path, extra in ((C, {"prompt": "Hi"}), (CH, {"messages": ASK})):
+        chunks = events(server.post(path, {**body, **extra, "stream": True,
+                                           "stream_interval": 3}))
+        sizes = [len(c["choices"][0]["token_ids"]) for c in chunks
+                 if c["choices"] and "token_ids" in c["choices"][0]]
+        assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and sum(sizes) == 8, sizes
+        if path == C:
+            assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole

@@ -31,7 +31,7 @@ from jaxllm.entrypoints.openai.errors import raise_if_failed
 from jaxllm.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
 from jaxllm.entrypoints.openai.prompt_tokens import check_truncation, tokenized
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest
-from jaxllm.entrypoints.openai.streams import last_output, sse_body
+from jaxllm.entrypoints.openai.streams import coalesced, last_output, sse_body
 from jaxllm.entrypoints.openai.structured_request import (RequestConstraint, chat_constraint,
                                                           errors_named)
 from jaxllm.entrypoints.openai.tool_calls import (stream_choices, tool_choice_message,
@@ -223,7 +223,7 @@ async def _stream_chat(serving, stream, rid, created, model, req, k, as_ids, con
     prefix = echoed(req, role)
     async with contextlib.aclosing(stream):  # a client that leaves aborts the request
         num_cached_tokens = 0
-        async for out in stream:
+        async for out in coalesced(stream, req.stream_interval):
             raise_if_failed(out)
             if not num_prompt_tokens:
                 num_prompt_tokens = len(out.prompt_token_ids)

@@ -23,7 +23,8 @@ from jaxllm.entrypoints.openai.completion_choices import (CompletionShape, Strea
 from jaxllm.entrypoints.openai.errors import raise_if_failed
 from jaxllm.entrypoints.openai.prompt_tokens import check_truncation, tokenized
 from jaxllm.entrypoints.openai.protocol import CompletionRequest
-from jaxllm.entrypoints.openai.streams import last_output, merge_streams, sse_body
+from jaxllm.entrypoints.openai.streams import (coalesced, last_output, merge_streams,
+                                               sse_body)
 from jaxllm.entrypoints.openai.structured_request import completion_constraint, errors_named
 from jaxllm.entrypoints.openai.usage import stream_usage, usage
 
@@ -101,7 +102,8 @@ async def _stream(serving, streams, prompts, rid, created, model, req, shape, de
     state = StreamedChoices(shape, decode)
     num_prompt_tokens: dict[int, int] = {}
     num_cached_tokens = 0
-    async for i, out in merge_streams(streams):
+    async for i, out in merge_streams([coalesced(s, req.stream_interval) for s in streams],
+                                      streams):
         raise_if_failed(out)
         num_prompt_tokens[i] = len(out.prompt_token_ids)
         for c in out.outputs:
