@@ -1,8 +1,10 @@
 """The OpenAI wire format: request bodies (pydantic) and how they become SamplingParams.
 
-Owns the field names and defaults of `/v1/completions` and `/v1/chat/completions` bodies
-(OpenAI's response_format, tools and tool_choice shapes included), vLLM's sampling extras on
-them, and the error body `{"error": {message, type, param, code}}`.
+Owns the field names and defaults of `/v1/completions` and `/v1/chat/completions` bodies:
+every field of vLLM 0.32's CompletionRequest and ChatCompletionRequest (OpenAI's
+response_format, tools and tool_choice shapes included; all but prompt_embeds, which
+belongs with --enable-prompt-embeds), vLLM's rules across fields (request_rules.py, run before parsing), and
+the error body `{"error": {message, type, param, code}}`. Unknown fields are refused.
 Never touches the engine: range checks are SamplingParams' (one place), and their ValueError
 becomes a 400 in api_server.py. Two checks belong to the wire itself: every string of a body
 must be valid Unicode (a lone surrogate such as "\\ud800" reaches no tokenizer), and seeds
@@ -109,8 +111,8 @@ class _Body(BaseModel):
 
 
 class _SamplingFields(_Body):
-    """Fields both endpoints share: OpenAI's, then vLLM's extras (request_fields.py says
-    which vLLM fields are honoured, accepted without effect, or refused)."""
+    """Fields both endpoints share: OpenAI's, then vLLM's extras (request_rules.py says
+    which vLLM fields are accepted without effect, or refused unless off)."""
 
     model: str | None = None
     n: int = 1

@@ -1,10 +1,11 @@
 """Logit bias: each request's {token id: bias}, added to its logits before sampling.
 
 Owns the device half of `SamplingParams.logit_bias` (vLLM's field; the server's `logit_bias`).
-Two per-slot tables of M = MAX_LOGIT_BIAS_TOKENS columns: `logit_bias.ids` [R + 1, M] int32
-(V, past the vocabulary, in unused columns and the fill row) and `logit_bias.values`
-[R + 1, M] float32. A row is written only when a request joins its slot (a plain request
-after a biased one resets it). At the "logits" point each sequence adds its slot's biases
+One per-slot table `logit_bias` [R + 1, 2, M] float32, M = MAX_LOGIT_BIAS_TOKENS: row [0]
+holds V - token id (exact in float32 below 2^24), so that the fill value 0 (unused columns,
+the fill row) reads as id V, past the vocabulary; row [1] the biases. One table, not an int
+and a float one, so that it adds one set of upload programs to the warm-up. A row is written only when a request joins its slot
+(a plain request after a biased one resets it). At the "logits" point each sequence adds its slot's biases
 with a scatter whose out-of-vocabulary ids are dropped; a `lax.cond` skips it when no row
 of the step is biased. Never validates a bias (SamplingParams and the processor do).
 
@@ -27,29 +28,29 @@ class LogitBias(StepFeature):
     name = "logit_bias"
 
     def __init__(self, num_slots: int, vocab_size: int, width: int = MAX_LOGIT_BIAS_TOKENS):
+        if vocab_size >= 2**24:
+            raise ValueError(f"LogitBias keeps token ids in float32, exact below 2^24; the "
+                             f"vocabulary has {vocab_size}")
         self.vocab_size, self.width = vocab_size, width
-        self.ids = DeviceRows(num_slots, (width,), np.int32, vocab_size,
-                              row_buckets=row_buckets(num_slots))
-        self.values = DeviceRows(num_slots, (width,), np.float32, 0.0,
-                                 row_buckets=row_buckets(num_slots))
+        self.table = DeviceRows(num_slots, (2, width), np.float32, 0.0,
+                                row_buckets=row_buckets(num_slots))
 
     def slot_rows(self) -> dict[str, DeviceRows]:
-        return {"logit_bias.ids": self.ids, "logit_bias.values": self.values}
+        return {"logit_bias": self.table}
 
     def add_request(self, slot: int, new) -> None:
         bias = new.sampling_params.logit_bias or {}
-        ids = np.full(self.width, self.vocab_size, np.int32)
-        values = np.zeros(self.width, np.float32)
-        ids[:len(bias)] = list(bias)
-        values[:len(bias)] = list(bias.values())
-        self.ids.set_row(slot, ids)
-        self.values.set_row(slot, values)
+        row = np.zeros((2, self.width), np.float32)
+        row[0, :len(bias)] = self.vocab_size - np.array(list(bias), np.int64)
+        row[1, :len(bias)] = list(bias.values())
+        self.table.set_row(slot, row)
 
     def transform(self, site, layer, logits_SV, hooks):
         if site != "logits":
             return logits_SV
-        ids_SM = hooks.rows["logit_bias.ids"][hooks.slot_S]
-        values_SM = hooks.rows["logit_bias.values"][hooks.slot_S]
+        row_S2M = hooks.rows["logit_bias"][hooks.slot_S]
+        ids_SM = self.vocab_size - row_S2M[:, 0].astype(jnp.int32)
+        values_SM = row_S2M[:, 1]
 
         def add(x_SV):
             rows_S1 = jnp.arange(x_SV.shape[0])[:, None]
