@@ -41,7 +41,9 @@ NO_EFFECT = {
 
 # Refused unless "off": field -> (is it off?, why it is refused).
 REFUSED = {
-    "suffix": (lambda v: v is None, "suffix (fill-in-the-middle) is not supported"),
+    # vLLM's own 400 for every model without a FIM renderer (all but Mistral tokenizers)
+    "suffix": (lambda v: v is None, "suffix is only supported for models with FIM "
+                                    "completion rendering"),
     "watermarking": (lambda v: not v, "watermarking is not supported"),
     "logprob_token_ids": (lambda v: not v, "logprob_token_ids is not supported; use "
                                             "logprobs (the top-k) instead"),
