@@ -81,7 +81,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
               max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS,
               enable_auto_tools: bool = False, tool_parser: str | None = None,
               return_tokens_as_token_ids: bool = False,
-              enable_prompt_tokens_details: bool = False) -> FastAPI:
+              enable_prompt_tokens_details: bool = True) -> FastAPI:
     serving = OpenAIServing(engine, served_model_names, chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             max_completion_prompts=max_completion_prompts,

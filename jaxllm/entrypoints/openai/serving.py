@@ -37,14 +37,15 @@ class OpenAIServing:
                  max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS,
                  enable_auto_tools: bool = False, tool_parser: str | None = None,
                  return_tokens_as_token_ids: bool = False,
-                 enable_prompt_tokens_details: bool = False):
+                 enable_prompt_tokens_details: bool = True):
         """trust_request_chat_template: accept a `chat_template` in chat requests (vLLM's
         --trust-request-chat-template); max_completion_prompts: the most prompts one
         /v1/completions request may hold; enable_auto_tools, tool_parser: vLLM's
         --enable-auto-tool-choice and --tool-call-parser (tool_choice="auto");
         return_tokens_as_token_ids: the default of the request field (vLLM's
         --return-tokens-as-token-ids); enable_prompt_tokens_details: usage states the
-        prompt's cached tokens (vLLM's --enable-prompt-tokens-details)."""
+        prompt's cached tokens (vLLM's --enable-prompt-tokens-details; on by default here,
+        so that the flag is an accepted no-op)."""
         if enable_auto_tools and tool_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         self.enable_auto_tools = enable_auto_tools

@@ -1,8 +1,8 @@
 """A response's `usage`: token counts, the prompt's cached tokens, and when a stream says them.
 
 Owns vLLM's usage rules: prompt, completion and total tokens; `prompt_tokens_details`
-({"cached_tokens": prompt tokens whose KV came from the prefix cache}) only when the server
-states them (vLLM's --enable-prompt-tokens-details); a stream's usage at its end with
+({"cached_tokens": prompt tokens whose KV came from the prefix cache}) when the server states
+them (vLLM's --enable-prompt-tokens-details, on by default in jaxllm); a stream's usage at its end with
 stream_options.include_usage, and on every chunk too with continuous_usage_stats (which
 needs include_usage, as in vLLM). Never counts a token itself: the outputs did.
 """
