@@ -51,6 +51,7 @@ from jaxllm.engine.dp_router import DPRouter
 from jaxllm.engine.engine_loop import EngineLoop, Stream
 from jaxllm.engine.processor import FanOut, ProcessedRequest, PromptInput, parse_prompt
 from jaxllm.engine.request_ids import RequestIds
+from jaxllm.engine.sleep import SLEEP_LEVELS
 from jaxllm.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -58,6 +59,10 @@ from jaxllm.sampling_params import SamplingParams
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can run any more."""
+
+
+class EngineSleepingError(RuntimeError):
+    """A request came while the engine sleeps (sleep mode); wake_up first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +133,7 @@ class AsyncLLM:
             prefix_affinity=resolved.enable_prefix_caching)
         self._live: set[Stream] = set()  # streams of unfinished requests: all hear of death
         self._stopped = False
+        self._sleeping = False  # sleep mode: requests are refused until wake_up
         self._input_thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="jaxllm-input")
         self.dead_error: BaseException | None = None
@@ -172,6 +178,8 @@ class AsyncLLM:
         server's context-fit check), run on each request once it is tokenized, on the input
         thread and before anything is queued; it raises ValueError to refuse."""
         self._check_alive()
+        if self._sleeping:
+            raise EngineSleepingError("the engine is sleeping: POST /wake_up first")
         prompts = [p if isinstance(p, PromptInput) else parse_prompt(p) for p in prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
         request_ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
@@ -264,6 +272,47 @@ class AsyncLLM:
             if reset:
                 self.router.forget(replica)
         return all(results)
+
+    async def _on_every_replica(self, method: str, *args) -> list:
+        """engine.<method>(*args) on every replica's engine thread, awaited."""
+        self._check_alive()
+        futures = []
+        for loop in self.loops:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            loop.send("call", (functools.partial(getattr(loop.engine, method), *args), done))
+            futures.append(asyncio.wrap_future(done))
+        return await asyncio.gather(*futures)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep mode (engine/sleep.py): from here on requests are refused until
+        wake_up. mode: what happens to unfinished requests, "abort" them (vLLM's default) or
+        "wait" for them to finish; vLLM's "keep" (hold them across the sleep) is refused."""
+        if mode not in ("abort", "wait"):
+            raise ValueError(f"mode must be one of ['abort', 'wait'] (vLLM's 'keep' is not "
+                             f"supported), got {mode!r}")
+        if level not in SLEEP_LEVELS:  # before anything is aborted
+            raise ValueError(f"level must be one of {list(SLEEP_LEVELS)} (vLLM's level 0, "
+                             f"pausing the scheduler only, is not supported), got {level!r}")
+        self._sleeping = True
+        try:
+            if mode == "abort":
+                for loop in self.loops:
+                    loop.send("abort", None)
+            while any(await self._on_every_replica("has_unfinished_requests")):
+                await asyncio.sleep(0.01)
+            await self._on_every_replica("sleep", level)
+        except BaseException:
+            self._sleeping = any(await self._on_every_replica("is_sleeping"))
+            raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """-> whether the engine is fully awake (every tag back)."""
+        await self._on_every_replica("wake_up", tags)
+        self._sleeping = any(await self._on_every_replica("is_sleeping"))
+        return not self._sleeping
+
+    async def is_sleeping(self) -> bool:
+        return self._sleeping
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -74,6 +74,16 @@ class LLM:
         """Forget every cached prefix; False (nothing done) while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (engine/sleep.py): level 1 keeps the weights on the host and
+        drops the KV cache; level 2 drops both (wake_up reads the checkpoint again)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """-> whether fully awake (tags: "weights" and/or "kv_cache"; None: both)."""
+        self.llm_engine.wake_up(tags)
+        return not self.llm_engine.is_sleeping()
+
     # ---- generate ------------------------------------------------------------------------
 
     def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True, *,

@@ -30,11 +30,12 @@ from jaxllm.engine.processor import FanOut, ProcessedRequest, Processor, PromptI
 from jaxllm.engine.request import RequestStatus
 from jaxllm.engine.request_ids import RequestIds
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.sleep import SleepMode
 from jaxllm.engine.stat_logger import LoggingStatLogger
 from jaxllm.engine.structured_output import StructuredOutputManager
 from jaxllm.kernels.backends import select_backend
 from jaxllm.kernels.linear_methods import select_linear_method
-from jaxllm.metrics import EngineMetrics
+from jaxllm.metrics import EngineMetrics, cache_config_info
 from jaxllm.models.auto_dtype import (AutoDtypeVerdict, GemmShapes, auto_dtype_verdict,
                                       log_once, verdict_cache_path)
 from jaxllm.models.checkpoint import (checkpoint_hf_config, load_for_engine,
@@ -190,9 +191,20 @@ class LLMEngine:
                                   config.structured_outputs_config, self.tokenizer,
                                   mcfg.vocab_size))
         self.model_runner = runner
+
+        def reload_state():  # sleep level 2's wake_up: the same load as above
+            from flax import nnx
+
+            return nnx.split(load_for_engine(
+                resolved, dtype, linear_method, placement=placement,
+                tokenizer=config.tokenizer, use_cache=cache_dir is not None).model)[1]
+
+        self.sleep_mode = SleepMode(self, reload_state)
         self.engine_core = EngineCore(scheduler, self.process_group.executor(runner),
                                       config.async_scheduling)
-        self.metrics = EngineMetrics(resolved.name, engine_index=data_parallel_rank)
+        self.metrics = EngineMetrics(resolved.name, engine_index=data_parallel_rank,
+                                     max_model_len=config.max_model_len,
+                                     cache_config_info=cache_config_info(config, num_blocks))
         self.request_ids = request_ids if request_ids is not None else RequestIds()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics, self.request_ids)
         self._aborted_outputs: list[RequestOutput] = []
@@ -371,6 +383,9 @@ class LLMEngine:
             done, _ = self.output_processor.process_outputs(failure.outputs)
             failure.request_outputs = finished + done + self._end_failed_requests()
             raise
+        so = self.scheduler.last_scheduler_output  # this step's schedule (one per step)
+        if so is not None and so.total_num_scheduled_tokens:
+            self.metrics.observe("jaxllm:iteration_tokens_total", so.total_num_scheduled_tokens)
         done, stopped = self.output_processor.process_outputs(engine_outputs)
         if stopped:
             self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -391,6 +406,17 @@ class LLMEngine:
         """Forget every cached prefix (vLLM's name). Refused (False) while requests hold
         blocks."""
         return self.scheduler.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the device memory of the KV cache, and of the weights (kept on the host
+        at level 1, dropped at level 2); refused while requests are unfinished."""
+        self.sleep_mode.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.sleep_mode.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode.is_sleeping
 
     def get_metrics(self):
         return self.metrics.snapshot(self.scheduler.make_stats())

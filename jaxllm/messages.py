@@ -125,6 +125,8 @@ class EngineCoreOutput:
     new_prompt_logprobs: Any | None = None  # copied through from .prompt_logprobs
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
     new_activations: Any | None = None  # copied through from ModelRunnerOutput.activations
+    scheduled_time: float | None = None  # time.time() of its first schedule (metrics)
+    num_preemptions: int = 0  # times it was preempted so far (metrics)
 
     @property
     def finished(self) -> bool:

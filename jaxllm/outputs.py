@@ -66,6 +66,7 @@ class RequestMetrics:
     """Wall-clock timestamps (seconds, `time.time()`) of a request's life; None until reached."""
 
     arrival_time: float
+    first_scheduled_time: float | None = None  # when the scheduler first gave it tokens
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

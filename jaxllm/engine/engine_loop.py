@@ -10,6 +10,7 @@ device work, and releases the GIL while it does.
     send("admit", (fanned, stream)) -> streams[id] = stream; engine.admit(fanned)
                                        engine.step() -> outputs -> streams[id].put(out)
     send("drop", (id, stream))      -> abort id only if it is still that stream's request
+    send("abort", ids or None)      -> abort those ids (None: every request of this loop)
 
 A request that fails inside the engine ends like any other: its stream gets its final
 output, with finish_reason "error" (admission that raises, a failed step, a failure of its
@@ -126,8 +127,8 @@ class EngineLoop:
                 request_id, stream = payload
                 if self._streams.get(request_id) is stream:
                     self._abort([request_id])
-            else:  # "abort": by the user's ids, whichever streams they have
-                self._abort(payload)
+            else:  # "abort": by the user's ids (None: all), whichever streams they have
+                self._abort(list(self._streams) if payload is None else payload)
 
     def _abort(self, request_ids: list[str]) -> None:
         for out in self.engine.abort_now(request_ids):

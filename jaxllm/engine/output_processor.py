@@ -33,6 +33,7 @@ from jaxllm.engine.logprobs import LogprobsProcessor
 from jaxllm.engine.processor import FanOut
 from jaxllm.engine.request_ids import RequestIds
 from jaxllm.messages import EngineCoreOutput
+from jaxllm.metrics import FinishedRequest
 from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxllm.research.activations import Activations
 from jaxllm.research.requests import capture_of
@@ -56,6 +57,7 @@ class ParentRequest:
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
+    num_preemptions: int = 0
 
 
 @dataclasses.dataclass
@@ -188,9 +190,14 @@ class OutputProcessor:
         """Fold one child's step into its completion; -> what to emit for it."""
         parent = child.parent
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        parent.num_preemptions = max(parent.num_preemptions, out.num_preemptions)
+        if parent.metrics.first_scheduled_time is None:
+            parent.metrics.first_scheduled_time = out.scheduled_time
         if out.new_prompt_logprobs is not None:
             self._add_prompt_logprobs(child, *out.new_prompt_logprobs)
         if out.new_token_ids:
+            if not child.token_ids and self.metrics is not None:  # this child's prompt is done
+                self.metrics.record_prompt(len(parent.prompt_token_ids), out.num_cached_tokens)
             self._token_times(parent.metrics, now)
         if out.new_logprobs is not None:
             child.logprobs.add_sample_logprobs(out.new_logprobs)
@@ -240,11 +247,11 @@ class OutputProcessor:
             parent.metrics.finished_time = now
             self.request_ids.release(parent.request_id)
             if self.metrics is not None:
-                completions = list(parent.completions.values())
-                self.metrics.record_request(
-                    parent.metrics, len(parent.prompt_token_ids),
-                    sum(len(c.token_ids) for c in completions),
-                    [c.finish_reason for c in completions])
+                lengths = [len(c.token_ids) for c in parent.completions.values()]
+                self.metrics.record_request(FinishedRequest(
+                    parent.metrics, len(parent.prompt_token_ids), sum(lengths), max(lengths),
+                    [c.finish_reason for c in parent.completions.values()], parent.n,
+                    child.params.max_tokens, parent.num_cached_tokens, parent.num_preemptions))
         if parent.output_kind == RequestOutputKind.FINAL_ONLY:
             return self._make_output(parent) if done else None
         if streamed is None:

@@ -114,6 +114,7 @@ class Request:
         # dropped when they arrive and re-sampled after the recompute.
         self.num_stale_outputs = 0
         self.num_preemptions = 0
+        self.scheduled_time: float | None = None  # time.time() of its first schedule
         # Prompt tokens taken from the prefix cache when first scheduled (vLLM's
         # num_cached_tokens; a resume after preemption does not change it).
         self.num_cached_tokens = 0

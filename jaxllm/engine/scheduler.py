@@ -52,6 +52,7 @@ raises, it alone finishes with an error and the step goes on without it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
@@ -266,6 +267,8 @@ class Scheduler:
             self._record_cache_hit(request, num_hit)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = time.time()
             self.running.append(request)
             scheduled_new.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -374,6 +377,8 @@ class Scheduler:
             new_prompt_logprobs=prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
             new_activations=activations,
+            scheduled_time=request.scheduled_time,
+            num_preemptions=request.num_preemptions,
         )
 
     def take_failed_outputs(self) -> list[EngineCoreOutput]:

@@ -19,7 +19,13 @@ MODEL_TYPE_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+
+# Architectures whose MLPs are mixtures of experts (models/moe.py), and what they read.
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -54,6 +60,16 @@ class ModelConfig:
     # Rows of the embedding and the LM head when tensor parallelism pads the vocabulary to
     # a multiple of its size (models/tp_layout.py); None: vocab_size. Logits keep vocab_size.
     padded_vocab_size: int | None = None
+    # Mixture of experts (models/moe.py). num_experts == 0: every layer has a dense MLP.
+    # A layer i is sparse unless i is in mlp_only_layers or (i + 1) % decoder_sparse_step
+    # (Qwen-MoE's rule); its experts are SwiGLU MLPs of width moe_intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the chosen k probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on, sigmoid-gated expert
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -64,6 +80,12 @@ class ModelConfig:
         if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size ({self.padded_vocab_size}) must be >= "
                              f"vocab_size ({self.vocab_size})")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts="
+                             f"{self.num_experts}], got {self.num_experts_per_tok}")
+        if self.num_experts and (self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1):
+            raise ValueError(f"moe_intermediate_size and decoder_sparse_step must be >= 1, "
+                             f"got {self.moe_intermediate_size}, {self.decoder_sparse_step}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -72,6 +94,10 @@ class ModelConfig:
     @property
     def num_embeddings(self) -> int:
         return self.padded_vocab_size or self.vocab_size
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -96,7 +122,7 @@ class ModelConfig:
         max_pos = _optional_int(hf, "max_position_embeddings")
         max_pos = 2048 if max_pos is None else max_pos
         if hf.get("sliding_window") and hf.get("use_sliding_window", True) and \
-                arch == "MistralForCausalLM":
+                arch in ("MistralForCausalLM",) + _MOE_ARCHITECTURES:
             # Mistral v0.1 uses a 4096-token window; later Mistrals set it to null. We only
             # implement full attention, so limit the context to the window instead of
             # silently computing something else.
@@ -116,12 +142,52 @@ class ModelConfig:
             rope_scaling=_rope_scaling(hf),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=_qkv_bias(arch, hf),
+            o_proj_bias=arch not in _QKV_ONLY_BIAS and bool(hf.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
+            **_moe_fields(arch, hf),
         )
+
+
+# Qwen2 and Qwen2-MoE put a bias on q/k/v only (Qwen2 always, Qwen2-MoE per `qkv_bias`).
+_QKV_ONLY_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+
+
+def _qkv_bias(arch: str, hf: Mapping[str, Any]) -> bool:
+    if arch == "Qwen2ForCausalLM":
+        return True
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(hf.get("qkv_bias", True))
+    return bool(hf.get("attention_bias", False))
+
+
+def _moe_fields(arch: str, hf: Mapping[str, Any]) -> dict:
+    """The mixture-of-experts fields of ModelConfig from an HF config (none for dense)."""
+    if arch not in _MOE_ARCHITECTURES:
+        return {}
+    if arch == "MixtralForCausalLM":  # every layer sparse; intermediate_size is an expert's
+        return dict(num_experts=_required_int(hf, "num_local_experts"),
+                    num_experts_per_tok=_required_int(hf, "num_experts_per_tok"),
+                    moe_intermediate_size=_required_int(hf, "intermediate_size"))
+    only = hf.get("mlp_only_layers") or ()
+    if not isinstance(only, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ValueError(f"config key 'mlp_only_layers' must be a list of layer indices, "
+                         f"got {only!r}")
+    # Qwen's config.json says num_experts; transformers >= 5 writes num_local_experts.
+    num_experts = _optional_int(hf, "num_experts")
+    return dict(num_experts=(_required_int(hf, "num_local_experts") if num_experts is None
+                             else num_experts),
+                num_experts_per_tok=_required_int(hf, "num_experts_per_tok"),
+                moe_intermediate_size=_required_int(hf, "moe_intermediate_size"),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=(
+                    _required_int(hf, "shared_expert_intermediate_size")
+                    if arch == "Qwen2MoeForCausalLM" else 0),
+                decoder_sparse_step=_optional_int(hf, "decoder_sparse_step") or 1,
+                mlp_only_layers=tuple(only))
 
 
 def architecture_of(hf: Mapping[str, Any]) -> str:

@@ -78,8 +78,9 @@ def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> Linear:
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        D, F = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs,
+                 intermediate_size: int | None = None):
+        D, F = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_proj = _linear(D, F, False, dtype, rngs)
         self.up_proj = _linear(D, F, False, dtype, rngs)
         self.down_proj = _linear(F, D, False, dtype, rngs)

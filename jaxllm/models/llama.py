@@ -22,12 +22,19 @@ from jaxllm.models.layers import MLP, Attention, RMSNorm
 from jaxllm.models.parallel import ParallelOps
 
 
+def dense_mlp(cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+    """Layer `layer`'s feed-forward block: Llama's gated MLP on every layer. A family with
+    other blocks (models/moe.py) passes its own `mlp_for_layer` of this signature."""
+    return MLP(cfg, dtype=dtype, rngs=rngs)
+
+
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, layer: int = 0,
+                 mlp_for_layer=dense_mlp):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = mlp_for_layer(cfg, layer, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_TD, kv, md, ops, hooks: StepHooks = NO_HOOKS, i: int = 0):
         x_TD = hooks.at("resid_pre", i, x_TD)
@@ -38,11 +45,12 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, mlp_for_layer=dense_mlp):
         self.embed_tokens = nnx.Embed(cfg.num_embeddings, cfg.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs)
-                                for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, layer=i,
+                                             mlp_for_layer=mlp_for_layer)
+                                for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, md: AttentionMetadata, kv_caches: KVCache, ops: ParallelOps,
@@ -57,11 +65,14 @@ class LlamaModel(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Also serves Mistral, Qwen2 and Qwen3: their differences live in ModelConfig flags."""
+    """Also serves Mistral, Qwen2 and Qwen3: their differences live in ModelConfig flags.
+    A subclass changes the feed-forward blocks by its `mlp_for_layer` (models/moe.py)."""
+
+    mlp_for_layer = staticmethod(dense_mlp)
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs)
+        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs, mlp_for_layer=self.mlp_for_layer)
         self.lm_head = None if cfg.tie_word_embeddings else nnx.Linear(
             cfg.hidden_size, cfg.num_embeddings, use_bias=False, dtype=dtype,
             param_dtype=dtype, rngs=rngs)

@@ -20,6 +20,11 @@ it gathered the whole table onto every device. Here:
              RowParallelLinear does. Left to the partitioner, the sum ran over the f32
              partial results: twice the bytes (measured, benchmarks/tp_plan.py).
 
+    moe_experts (models/moe.py): each device runs the chosen experts' FFNs on its F/tp
+             columns of gate/up and rows of down (a dense MLP's layout, per expert), on
+             the whole routed batch; one all-reduce [T, D] sums the devices, in the
+             compute dtype.
+
 With a mesh of one device (or none) each op is the plain unsharded one, through the linear
 method. Never holds state and never decides a layout (models/tp_layout.py does); under a mesh
 the linear method is "xla" (the partitioner's layout), anything else is a ValueError.
@@ -98,6 +103,22 @@ class ParallelOps:
         out = jax.shard_map(gathered, mesh=self._mesh, in_specs=(P(), w_spec),
                             out_specs=P(), check_vma=False)(hidden_SD, w)
         return out[:, :vocab_size]
+
+    def moe_experts(self, expert_ffn, x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD):
+        """expert_ffn(x, weights, ids, w_gate_up, w_down) -> float32 [T, D] (models/moe.py)
+        over the expert weights split by F -> [T, D] whole, in x's dtype."""
+        if self._mesh is None:
+            return expert_ffn(x_TD, weights_TK, ids_TK, w_gate_up_ED2F,
+                              w_down_EFD).astype(x_TD.dtype)
+
+        def partial_sum(*args):
+            return jax.lax.psum(expert_ffn(*args).astype(x_TD.dtype), TP_AXIS)
+
+        return jax.shard_map(partial_sum, mesh=self._mesh,
+                             in_specs=(P(), P(), P(), P(None, None, None, TP_AXIS),
+                                       P(None, TP_AXIS, None)),
+                             out_specs=P(), check_vma=False)(
+            x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD)
 
     def row_parallel(self, linear, x_TF):
         """`linear` (models/layers.py Linear, kernel [F, D] split over F) applied to x_TF

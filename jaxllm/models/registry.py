@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.models.mixtral import MixtralForCausalLM
 
 # Mistral, Qwen2 and Qwen3 are Llama with config flags (attention_bias, qk_norm): one class.
 _MODELS = {
@@ -15,6 +16,10 @@ _MODELS = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # Mixtures of experts (models/moe.py); Qwen2-MoE/Qwen3-MoE differ by config flags.
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -32,13 +32,21 @@ LOGICAL_AXES: list[tuple[str, tuple[str | None, ...]]] = [
     (r"self_attn\.o_proj\.bias$", ("embed",)),
     (r"mlp\.(gate|up)_proj\.kernel$", ("embed", "mlp")),
     (r"mlp\.down_proj\.kernel$", ("mlp", "embed")),
+    # Mixture of experts (models/moe.py): each expert split like a dense MLP; the router
+    # and the shared-expert gate (a handful of columns) are replicated.
+    (r"mlp\.experts\.gate_up_proj$", ("expert", "embed", None, "mlp")),
+    (r"mlp\.experts\.down_proj$", ("expert", "mlp", "embed")),
+    (r"mlp\.shared_expert\.(gate|up)_proj\.kernel$", ("embed", "mlp")),
+    (r"mlp\.shared_expert\.down_proj\.kernel$", ("mlp", "embed")),
+    (r"mlp\.(gate|shared_expert_gate)\.kernel$", ("embed", None)),
     (r"(norm|layernorm)\.weight$", ("norm",)),
     (r"^lm_head\.kernel$", ("embed", "vocab")),
 ]
 
 # Logical axis -> mesh axis (None: replicated).
+# No expert parallelism: every device holds every expert's slice ("expert" replicated).
 TP_RULES: dict[str, str | None] = {"vocab": TP_AXIS, "heads": TP_AXIS, "mlp": TP_AXIS,
-                                   "embed": None, "norm": None}
+                                   "embed": None, "norm": None, "expert": None}
 
 
 def logical_axes(path: tuple) -> tuple[str | None, ...]:

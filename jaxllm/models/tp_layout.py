@@ -57,6 +57,12 @@ class TensorParallelLayout:
                              f"intermediate_size={cfg.intermediate_size} (each device runs "
                              f"whole MLP columns); choose one of "
                              f"{_divisors(math.gcd(n, cfg.intermediate_size))}")
+        for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            width = getattr(cfg, key) if cfg.num_experts else 0
+            if width % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide the model's {key}="
+                                 f"{width} (each device runs whole expert columns); choose "
+                                 f"one of {_divisors(math.gcd(n, width))}")
         local_q = n // tp
         group = math.gcd(local_q, n // k)
         heads = [(d * local_q + j * group) // (n // k)

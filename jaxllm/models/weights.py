@@ -27,7 +27,6 @@ from jaxllm.models.safetensors_io import iter_tensors
 
 # Checkpoint tensors that carry no parameters (old Llama checkpoints store RoPE buffers).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-_LINEAR = re.compile(r".*_proj$|^lm_head$")
 
 
 def hf_name(path: tuple) -> str:
@@ -37,11 +36,29 @@ def hf_name(path: tuple) -> str:
     return ".".join(mods + [hf_leaf])
 
 
-def to_param(path: tuple, tensor: np.ndarray) -> np.ndarray:
-    """HF layout -> our layout: linear weights are stored [out, in], nnx kernels [in, out]."""
-    if str(path[-1]) == "kernel" and _LINEAR.match(str(path[-2])):
-        return tensor.T
-    return tensor
+def linear_kernels(model) -> frozenset[tuple]:
+    """Paths of the kernels of every nnx.Linear of `model` (abstract or real): the
+    parameters a checkpoint stores [out, in] and nnx [in, out]."""
+    return frozenset((*path, "kernel") for path, module in nnx.iter_modules(model)
+                     if isinstance(module, nnx.Linear))
+
+
+def to_param(path: tuple, tensor: np.ndarray, linear: frozenset[tuple]) -> np.ndarray:
+    """HF layout -> our layout: linear weights (paths in `linear`) are stored [out, in],
+    nnx kernels [in, out]; every other tensor as stored."""
+    return tensor.T if path in linear else tensor
+
+
+def family_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]]
+                   ) -> Iterable[tuple[str, np.ndarray]]:
+    """The checkpoint's tensors as the family's model names them. A family whose checkpoint
+    names or layouts differ from its parameters (fused or per-expert tensors, Conv1D
+    weights stored [in, out]) defines the classmethod `adapt_checkpoint(cfg, tensors)`,
+    which yields (name, array) pairs with the model's dotted parameter paths
+    (`hf_name`) and every nnx.Linear weight [out, in], as HF stores a Linear; the
+    tensor-parallel layout (models/tp_layout.py) then reads those names."""
+    adapt = getattr(get_model_class(cfg), "adapt_checkpoint", None)
+    return tensors if adapt is None else adapt(cfg, tensors)
 
 
 class _ShapeOnlyKeys:
@@ -96,10 +113,13 @@ def load_params(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dty
     or misshapen tensor. `placement` (models/sharding.py Placement): the model is built in
     its tensor-parallel layout (the checkpoint tensors rewritten to it) and each parameter
     placed on its mesh; the model's config is then the layout's."""
+    tensors = family_tensors(cfg, tensors)
     if placement is not None:
         layout = placement.layout(cfg)
         cfg, tensors = layout.model_config, layout.adapt(tensors)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    model = abstract_model(cfg, dtype)
+    linear = linear_kernels(model)
+    graphdef, state = nnx.split(model)
     flat = dict(nnx.to_flat_state(state))
     by_name = {hf_name(path): path for path in flat}
     seen, unexpected, bad_shapes = set(), [], []
@@ -109,7 +129,7 @@ def load_params(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dty
             if not (_IGNORED.match(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings)):
                 unexpected.append(name)
             continue
-        value = to_param(path, tensor)
+        value = to_param(path, tensor, linear)
         want = flat[path].get_value()
         if tuple(value.shape) != tuple(want.shape):
             bad_shapes.append(f"{name}: checkpoint {tuple(tensor.shape)}, "

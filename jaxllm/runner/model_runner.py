@@ -45,6 +45,7 @@ from jaxllm.kernels.linear_methods import LinearMethod, get_linear_method
 from jaxllm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from jaxllm.models.base import AttentionMetadata
 from jaxllm.models.llama import init_kv_caches
+from jaxllm.runner import device_sleep
 from jaxllm.models.parallel import ParallelOps
 from jaxllm.models.sharding import kv_cache_sharding
 from jaxllm.runner.buckets import BucketConfig
@@ -135,6 +136,20 @@ class ModelRunner:
                                    device=self.replicated)
         for rows in self.slot_rows.values():
             rows.place(self.replicated)
+
+    def release_device_memory(self, keep_weights_on_host: bool):
+        """Sleep mode: delete the weights' and the KV cache's device buffers; -> the host
+        copy of the weights if asked for (runner/device_sleep.py)."""
+        return device_sleep.release(self, keep_weights_on_host)
+
+    def restore_device_memory(self, weights: bool, kv_cache: bool, host_weights,
+                              reload_state) -> None:
+        """Sleep mode's wake_up: the weights (from host_weights, else reload_state()) and/or
+        a fresh KV cache back on the device."""
+        if weights:
+            device_sleep.restore_weights(self, host_weights, reload_state)
+        if kv_cache:
+            device_sleep.restore_kv_cache(self)
 
     def _slot_tables(self) -> dict[str, jax.Array]:
         return {name: rows.device for name, rows in self.slot_rows.items()}

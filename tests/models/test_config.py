@@ -181,7 +181,8 @@ def test_model_type_picks_the_architecture_when_architectures_is_absent(
 def test_model_type_fallback_covers_exactly_the_registry():
     from jaxllm.models.registry import supported_architectures
 
-    assert sorted(MODEL_TYPE_ARCHITECTURES) == ["llama", "mistral", "qwen2", "qwen3"]
+    assert sorted(MODEL_TYPE_ARCHITECTURES) == ["llama", "mistral", "mixtral", "qwen2",
+                                                 "qwen2_moe", "qwen3", "qwen3_moe"]
     assert sorted(MODEL_TYPE_ARCHITECTURES.values()) == supported_architectures()
 
 
@@ -199,7 +200,9 @@ def test_architectures_wins_over_model_type():
 _NO_CLASS = ("cannot pick a model class: config key 'architectures' is missing or empty and "
              "'model_type' {}; set 'architectures' or use a supported 'model_type': "
              "'llama' (LlamaForCausalLM), 'mistral' (MistralForCausalLM), "
-             "'qwen2' (Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM)")
+             "'mixtral' (MixtralForCausalLM), 'qwen2' (Qwen2ForCausalLM), "
+             "'qwen2_moe' (Qwen2MoeForCausalLM), 'qwen3' (Qwen3ForCausalLM), "
+             "'qwen3_moe' (Qwen3MoeForCausalLM)")
 
 
 @pytest.mark.parametrize("model_type, found", [

@@ -201,8 +201,9 @@ _JSON_CASES = [
      lambda cfg: _without("model_type")(_without("architectures")(cfg)),
      "{path}: cannot pick a model class: config key 'architectures' is missing or empty and "
      "'model_type' is missing; set 'architectures' or use a supported 'model_type': 'llama' "
-     "(LlamaForCausalLM), 'mistral' (MistralForCausalLM), 'qwen2' (Qwen2ForCausalLM), "
-     "'qwen3' (Qwen3ForCausalLM)"),
+     "(LlamaForCausalLM), 'mistral' (MistralForCausalLM), 'mixtral' (MixtralForCausalLM), "
+     "'qwen2' (Qwen2ForCausalLM), 'qwen2_moe' (Qwen2MoeForCausalLM), 'qwen3' "
+     "(Qwen3ForCausalLM), 'qwen3_moe' (Qwen3MoeForCausalLM)"),
     ("generation_config_truncated", "generation_config.json", b'{"temperature":',
      "{path} is not valid JSON: Expecting value: line 1 column 16 (char 15)"),
     ("index_truncated", "model.safetensors.index.json", b'{"weight_map": {',

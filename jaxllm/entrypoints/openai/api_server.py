@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM.
 
 Owns the routes (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
-/health, /version, /metrics), API-key checks, the mapping of every failure to OpenAI's error
+/health, /version, /metrics; the optional ones of vLLM's flags are added by frontend.py),
+API-key checks, the mapping of every failure to OpenAI's error
 body with the right status (400 for bad input of any kind, never 422; 404 for an unknown
 model; 401 for a missing or wrong key; 500 for a request the engine failed, and for any other
 internal error, still as the error JSON and with the traceback logged; 503 when the engine is
@@ -16,7 +17,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,12 +24,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
-from jaxllm.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.async_llm import AsyncLLM, EngineDeadError, EngineSleepingError
 from jaxllm.entrypoints.openai.errors import GenerationError
+from jaxllm.entrypoints.openai.frontend import (FrontendOptions, check_prompt_embeds, install,
+                                                load_tracker, model_card)
 from jaxllm.entrypoints.openai.metrics import render_metrics
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest, error_body)
 from jaxllm.entrypoints.openai.serving import DEFAULT_MAX_COMPLETION_PROMPTS, OpenAIServing
+from jaxllm.entrypoints.openai.tokenization import tokenize_response
 
 
 class APIError(Exception):
@@ -80,13 +83,17 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
               chat_template: str | None = None, trust_request_chat_template: bool = False,
               max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS,
               enable_auto_tools: bool = False, tool_parser: str | None = None,
-              return_tokens_as_token_ids: bool = False,
+              frontend: FrontendOptions | None = None,
               enable_prompt_tokens_details: bool = True) -> FastAPI:
+    """api_key: one key or several (any of them is accepted); frontend: the optional routes
+    and middlewares of vLLM's flags (frontend.py; its return_tokens_as_token_ids is the
+    serving's default); enable_prompt_tokens_details: usage states cached prompt tokens."""
+    frontend = frontend or FrontendOptions()
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     serving = OpenAIServing(engine, served_model_names, chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             max_completion_prompts=max_completion_prompts,
                             enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
-                            return_tokens_as_token_ids=return_tokens_as_token_ids,
                             enable_prompt_tokens_details=enable_prompt_tokens_details)
 
     @contextlib.asynccontextmanager
@@ -96,7 +103,9 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         serving.close()
         logging.getLogger("uvicorn.error").info("jaxllm: engine shut down")
 
-    app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan)
+    docs = dict(docs_url=None, redoc_url=None, openapi_url=None) if (
+        frontend.disable_fastapi_docs) else {}
+    app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan, **docs)
     app.state.serving = serving
 
     @app.exception_handler(RequestValidationError)
@@ -127,6 +136,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
     async def _dead(request, exc: EngineDeadError):
         return error_response(503, str(exc), "ServiceUnavailableError")
 
+    @app.exception_handler(EngineSleepingError)
+    async def _sleeping(request, exc: EngineSleepingError):
+        return error_response(503, str(exc), "ServiceUnavailableError")
+
     @app.exception_handler(GenerationError)
     async def _failed(request, exc: GenerationError):
         return error_response(500, str(exc), "InternalServerError")
@@ -138,9 +151,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        if api_keys and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not any([hmac.compare_digest(given, f"Bearer {key}".encode())
+                        for key in api_keys]):
                 return error_response(401, "Unauthorized: a valid API key is required",
                                       "authentication_error")
         return await call_next(request)
@@ -162,13 +176,18 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
             return StreamingResponse(result, media_type="text/event-stream")
         return JSONResponse(result)
 
+    track = load_tracker(app, frontend.enable_server_load_tracking)
+
     @app.post("/v1/completions")
+    @track
     async def completions(body: CompletionRequest, request: Request):
         model = model_name(body.model)
+        check_prompt_embeds(frontend, body.prompt_embeds)
         return await respond(await _until_disconnect(
             serving.create_completion(body, model), request), request)
 
     @app.post("/v1/chat/completions")
+    @track
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = model_name(body.model)
         return await respond(await _until_disconnect(
@@ -176,24 +195,13 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "jaxllm",
-             "root": engine.engine.config.model, "max_model_len": serving.max_model_len}
-            for name in served_model_names]}
+        return {"object": "list", "data": [model_card(name, engine, serving.max_model_len)
+                                           for name in served_model_names]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         model_name(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
-        if body.messages is not None:
-            prompt = await engine.render_chat(body.messages, chat_template,
-                                              body.add_generation_prompt)
-            tokens = prompt.token_ids
-        else:
-            tokens = await engine.offload(_tokenize, engine, body.prompt,
-                                          body.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+        return await tokenize_response(serving, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -219,12 +227,9 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         return Response(render_metrics(engine.get_metrics()),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    install(app, frontend, engine=engine, serving=serving, model_name=model_name,
+            completions=completions, chat_completions=chat_completions, api_error=APIError)
     return app
-
-
-def _tokenize(engine: AsyncLLM, text: str, add_special_tokens: bool) -> list[int]:
-    engine.engine.processor.check_text_length(text)  # the same length bound as a prompt's
-    return engine.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 async def _until_disconnect(coro, request: Request):

@@ -2,8 +2,8 @@
 
 Owns the field names and defaults of `/v1/completions` and `/v1/chat/completions` bodies:
 every field of vLLM 0.32's CompletionRequest and ChatCompletionRequest (OpenAI's
-response_format, tools and tool_choice shapes included; all but prompt_embeds, which
-belongs with --enable-prompt-embeds), vLLM's rules across fields (request_rules.py, run before parsing), and
+response_format, tools and tool_choice shapes included; prompt_embeds is refused by
+frontend.py), vLLM's rules across fields (request_rules.py, run before parsing), and
 the error body `{"error": {message, type, param, code}}`. Unknown fields are refused.
 Never touches the engine: range checks are SamplingParams' (one place), and their ValueError
 becomes a 400 in api_server.py. Two checks belong to the wire itself: every string of a body
@@ -214,13 +214,21 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's base64 torch.save tensors: refused by the server (entrypoints/openai/frontend.py)
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _prompt_given(self):
+        if self.prompt is None and self.prompt_embeds is None:
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -264,11 +272,21 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Body):
+    """vLLM's TokenizeCompletionRequest (prompt) and TokenizeChatRequest (messages) in one:
+    exactly one of the two is given. add_special_tokens: None is vLLM's default of each,
+    true for a prompt and false for messages (the template writes them)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

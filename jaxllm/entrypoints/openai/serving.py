@@ -84,6 +84,11 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, model: str):
         return await serving_chat.create_chat_completion(self, req, model)
 
+    async def chat_prompt(self, req, template: str | None):
+        """A conversation rendered and tokenized without special tokens (/tokenize's
+        messages, as a chat completion's are), off the event loop."""
+        return await serving_chat.render(self, req, template)
+
     def as_token_ids(self, req) -> bool:
         """return_tokens_as_token_ids: the request's, else the server's."""
         given = req.return_tokens_as_token_ids

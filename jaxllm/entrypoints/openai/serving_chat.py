@@ -71,38 +71,47 @@ def max_tokens_param(req: ChatCompletionRequest) -> str | None:
     return None
 
 
-def template_kwargs(req: ChatCompletionRequest) -> dict:
+def template_kwargs(req) -> dict:
     """The template's variables: the request's, then vLLM's own (documents, and
-    reasoning_effort with enable_thinking) unless the request set them."""
+    reasoning_effort with enable_thinking) unless the request set them. req: a chat
+    completion's body, or /tokenize's (which has neither)."""
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
               if k != "chat_template"}
-    if req.documents is not None:
-        kwargs.setdefault("documents", req.documents)
-    if req.reasoning_effort is not None:
-        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-        kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
+    documents, effort = getattr(req, "documents", None), getattr(req, "reasoning_effort", None)
+    if documents is not None:
+        kwargs.setdefault("documents", documents)
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+        kwargs.setdefault("enable_thinking", effort != "none")
     return kwargs
 
 
-async def chat_prompt(serving, req: ChatCompletionRequest, template: str | None
-                      ) -> PromptInput:
-    """The conversation rendered and tokenized as the body asks, off the event loop. The
-    request's tools are rendered whatever its tool_choice ("none" included, as vLLM)."""
+async def render(serving, req, template: str | None) -> PromptInput:
+    """The conversation rendered by the server's template, or the request's own in the
+    sandbox, and tokenized without special tokens, off the event loop. The request's tools
+    are rendered whatever its tool_choice ("none" included, as vLLM)."""
     engine = serving.engine
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     kwargs = template_kwargs(req)
     if template is None:
-        prompt = await engine.render_chat(req.messages, serving.chat_template,
-                                          req.add_generation_prompt,
-                                          req.continue_final_message, kwargs, tools)
-    else:
-        messages = await engine.offload(chat_messages, req.messages)
-        text = await serving.template_sandbox.render(
-            template, messages, special_tokens=engine.tokenizer.special_tokens_map,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs,
-            tools=tools)
-        prompt = await engine.offload(engine.engine.processor.chat_prompt, text)
+        return await engine.render_chat(req.messages, serving.chat_template,
+                                        req.add_generation_prompt,
+                                        req.continue_final_message, kwargs, tools)
+    messages = await engine.offload(chat_messages, req.messages)
+    text = await serving.template_sandbox.render(
+        template, messages, special_tokens=engine.tokenizer.special_tokens_map,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs,
+        tools=tools)
+    return await engine.offload(engine.engine.processor.chat_prompt, text)
+
+
+async def chat_prompt(serving, req: ChatCompletionRequest, template: str | None
+                      ) -> PromptInput:
+    """The rendered conversation tokenized as the body asks (add_special_tokens,
+    truncate_prompt_tokens, truncation_side), off the event loop."""
+    engine = serving.engine
+    prompt = await render(serving, req, template)
     if req.add_special_tokens:  # on top of what the template holds (vLLM's option)
         prompt = PromptInput(prompt.text, None)
     if req.add_special_tokens or req.truncate_prompt_tokens is not None:
