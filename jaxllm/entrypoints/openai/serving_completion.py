@@ -70,7 +70,8 @@ async def create_completion(serving, req: CompletionRequest, model: str):
     prepare = functools.partial(tokenized, processor, add_special_tokens=req.add_special_tokens,
                                 truncate=req.truncate_prompt_tokens, side=req.truncation_side,
                                 with_text=shape.echo)
-    if req.truncate_prompt_tokens is not None or not req.add_special_tokens or shape.echo:
+    if (req.truncate_prompt_tokens is not None or not req.add_special_tokens or shape.echo
+            or req.use_beam_search):  # beam search starts from token ids
         prompts = await engine.offload(lambda: [prepare(p) for p in prompts])
     if req.use_beam_search:
         return await beam_completion(serving, req, prompts, rid, created, model)
