@@ -91,12 +91,14 @@ class _Instance:
 
 
 class BeamSearch:
-    """Runs beam searches on an `LLM` (its engine and tokenizer)."""
+    """Beam searches over one engine's tokenizer and limits; the caller runs each step's
+    one-token requests (`run` with LLM.generate; the server with AsyncLLM, in turn:
+    `start`, then `step_prompts` / `advance` until no beam is left)."""
 
-    def __init__(self, llm, params: BeamSearchParams):
-        self.llm = llm
+    def __init__(self, engine, params: BeamSearchParams):
+        """engine: the LLMEngine whose tokenizer, processor and limits apply."""
         self.params = params
-        engine = llm.llm_engine
+        self.engine = engine
         self.tokenizer = engine.tokenizer
         self.eos_token_id = engine.processor.eos_token_id
         self.max_model_len = engine.config.max_model_len
@@ -113,33 +115,48 @@ class BeamSearch:
         return beam_score(beam.tokens, beam.cum_logprob, self.eos_token_id,
                           self.params.length_penalty)
 
-    def run(self, prompts) -> list[_Instance]:
-        engine = self.llm.llm_engine
+    def start(self, prompts) -> list[_Instance]:
+        """One search per prompt, every prompt checked before any step runs."""
+        processor = self.engine.processor
         instances = []
         for prompt in parse_prompts(prompts):
-            ids = engine.processor.tokenize_prompt(prompt)
-            engine.processor.check_prompt(ids)  # all prompts checked before any step runs
+            ids = processor.tokenize_prompt(prompt)
+            processor.check_prompt(ids)
             instances.append(_Instance(prompt.text, list(ids),
                                        [BeamSearchSequence(tokens=list(ids), logprobs=[])]))
+        return instances
+
+    def step_prompts(self, instances: list[_Instance]) -> list[BeamSearchSequence]:
+        """The beams this step grows (beams at the context limit complete instead); [] when
+        none is left."""
+        for instance in instances:
+            full = [b for b in instance.beams if len(b.tokens) >= self.max_model_len]
+            for beam in full:
+                beam.finish_reason = "length"
+            instance.completed += full
+            instance.beams = [b for b in instance.beams if b not in full]
+        return [b for instance in instances for b in instance.beams]
+
+    def advance(self, instances: list[_Instance], beams: list[BeamSearchSequence],
+                outputs: list[RequestOutput]) -> None:
+        """Each instance keeps its best beam_width candidates of this step."""
+        grown = iter(zip(beams, outputs))
+        for instance in instances:
+            candidates = []
+            for beam, out in (next(grown) for _ in instance.beams):
+                candidates += self._expand(instance, beam, out.outputs[0].logprobs[0])
+            candidates.sort(key=self.score, reverse=True)
+            instance.beams = candidates[:self.params.beam_width]
+
+    def run(self, prompts, generate) -> list[_Instance]:
+        """generate(list of {"prompt_token_ids"}, params) -> one RequestOutput each."""
+        instances = self.start(prompts)
         for _ in range(self.params.max_tokens):
-            for instance in instances:  # a beam at the context limit cannot grow
-                full = [b for b in instance.beams if len(b.tokens) >= self.max_model_len]
-                for beam in full:
-                    beam.finish_reason = "length"
-                instance.completed += full
-                instance.beams = [b for b in instance.beams if b not in full]
-            beams = [b for instance in instances for b in instance.beams]
+            beams = self.step_prompts(instances)
             if not beams:
                 break
-            outputs = self.llm.generate([{"prompt_token_ids": b.tokens} for b in beams],
-                                        self.step_params, use_tqdm=False)
-            grown = iter(zip(beams, outputs))
-            for instance in instances:
-                candidates = []
-                for beam, out in (next(grown) for _ in instance.beams):
-                    candidates += self._expand(instance, beam, out.outputs[0].logprobs[0])
-                candidates.sort(key=self.score, reverse=True)
-                instance.beams = candidates[:self.params.beam_width]
+            self.advance(instances, beams, generate(
+                [{"prompt_token_ids": b.tokens} for b in beams], self.step_params))
         return instances
 
     def _expand(self, instance: _Instance, beam: BeamSearchSequence,
@@ -168,21 +185,34 @@ class BeamSearch:
             if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 generated = generated[:-1]
             beam.text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            for entry in beam.logprobs:  # the steps ran without detokenizing
+                for token_id, lp in entry.items():
+                    if lp.decoded_token is None:
+                        lp.decoded_token = self.tokenizer.decode([token_id])
         return best
 
 
+def _generate(llm):
+    return lambda prompts, params: llm.generate(prompts, params, use_tqdm=False)
+
+
 def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    search = BeamSearch(llm, params)
-    return [BeamSearchOutput(search.finish(i)) for i in search.run(prompts)]
+    search = BeamSearch(llm.llm_engine, params)
+    return [BeamSearchOutput(search.finish(i)) for i in search.run(prompts, _generate(llm))]
 
 
 def beam_search_request_outputs(llm, prompts, params: BeamSearchParams
                                 ) -> list[RequestOutput]:
     """`LLM.generate(prompts, BeamSearchParams)`: one RequestOutput per prompt whose `outputs`
     are its beams, best first (token_ids and logprobs of the generated part only)."""
-    search = BeamSearch(llm, params)
+    search = BeamSearch(llm.llm_engine, params)
+    return request_outputs(search, search.run(prompts, _generate(llm)))
+
+
+def request_outputs(search: BeamSearch, instances: list[_Instance]) -> list[RequestOutput]:
+    """Finished searches as RequestOutputs, one per prompt, its beams best first."""
     results = []
-    for i, instance in enumerate(search.run(prompts)):
+    for i, instance in enumerate(instances):
         n = len(instance.prompt_token_ids)
         outputs = [CompletionOutput(index=k, text=beam.text,
                                     token_ids=beam.tokens[n:], cumulative_logprob=beam.cum_logprob,
@@ -194,5 +224,5 @@ def beam_search_request_outputs(llm, prompts, params: BeamSearchParams
     return results
 
 
-__all__ = ["BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput", "beam_search",
-           "beam_search_request_outputs", "beam_score"]
+__all__ = ["BeamSearch", "BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput",
+           "beam_search", "beam_search_request_outputs", "beam_score", "request_outputs"]

@@ -9,6 +9,7 @@ step raises, the exception reaches the caller and nothing of the call stays queu
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,11 +88,11 @@ class LLM:
 
     def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True, *,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """prompts: a str, a {"prompt_token_ids": [...]} (or {"prompt": ...}) dict, or a list of
         those. The older keyword form `prompt_token_ids=[[...], ...]` is accepted too.
-        priority: one int per prompt, lower served first; needs scheduling_policy="priority"
-        unless all are 0."""
+        priority: one int for every prompt, or one per prompt; lower is served first; needs
+        scheduling_policy="priority" unless all are 0."""
         if isinstance(sampling_params, BeamSearchParams):
             if prompt_token_ids is not None or priority is not None:
                 raise ValueError("beam search takes prompts only (no prompt_token_ids= or "
@@ -99,14 +100,7 @@ class LLM:
             return beam_search_request_outputs(self, prompts, sampling_params)
         parsed = parse_prompts(prompts, prompt_token_ids)
         params = broadcast_params(sampling_params, len(parsed))
-        if priority is not None:
-            if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
-                raise ValueError("priority must be a list of ints (one per prompt), got "
-                                 f"{type(priority).__name__}")
-            if len(priority) != len(parsed):
-                raise ValueError(f"The lengths of prompts ({len(parsed)}) and priority "
-                                 f"({len(priority)}) must be the same.")
-        return self._run(parsed, params, use_tqdm, priority)
+        return self._run(parsed, params, use_tqdm, _priorities(priority, len(parsed)))
 
     def beam_search(self, prompts, params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -120,13 +114,16 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
-        tools: OpenAI's tool definitions, given to the chat template as `tools`."""
+        tools: OpenAI's tool definitions, given to the chat template as `tools`. priority: as
+        generate's, one int or one per conversation."""
         prompts = self.llm_engine.processor.render_chat(
             messages, chat_template, add_generation_prompt, continue_final_message,
             chat_template_kwargs, tools)
-        return self._run(prompts, broadcast_params(sampling_params, len(prompts)), use_tqdm)
+        return self._run(prompts, broadcast_params(sampling_params, len(prompts)), use_tqdm,
+                         _priorities(priority, len(prompts)))
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams],
              use_tqdm: bool, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -163,3 +160,19 @@ class LLM:
                 bar.update(1)
         bar.close()
         return [done[rid] for rid in order]
+
+
+def _priorities(priority, num_prompts: int) -> list[int] | None:
+    """vLLM's rule: None (all 0), one int for every prompt, or a sequence of one per prompt.
+    Each is checked to be an int at admission (the processor's check_priority)."""
+    if priority is None:
+        return None
+    if isinstance(priority, numbers.Integral) and not isinstance(priority, bool):
+        return [int(priority)] * num_prompts
+    if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+        raise ValueError("priority must be an int or a list of ints (one per prompt), got "
+                         f"{type(priority).__name__}")
+    if len(priority) != num_prompts:
+        raise ValueError(f"The lengths of prompts ({num_prompts}) and priority "
+                         f"({len(priority)}) must be the same.")
+    return list(priority)

@@ -14,7 +14,7 @@ from typing import Any
 from jaxllm.structured_outputs import StructuredOutputsParams
 from jaxllm.unicode_text import check_text
 from jaxllm.value_ranges import (FLOAT32_MAX, FLOAT32_MIN_POSITIVE, INT32_MAX, INT64_MAX,
-                                 INT64_MIN, Range)
+                                 INT64_MIN, ParameterError, Range)
 
 # Temperatures below this mean greedy decoding (vLLM's `_SAMPLING_EPS`). Unlike vLLM we do not
 # raise temperatures in [1e-5, 1e-2) to 1e-2: our sampler works on logits / T with max-shifted
@@ -25,6 +25,32 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 # What returned logprobs hold (vLLM's `logprobs_mode`, an engine setting; see runner/sampler.py).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+# The most tokens one request's logit_bias may hold (vLLM's MAX_NUM_LOGIT_BIAS_TOKENS): the
+# width of its per-slot device table (runner/features/logit_bias.py).
+MAX_LOGIT_BIAS_TOKENS = 1024
+
+
+def _logit_bias(bias: dict) -> dict[int, float]:
+    """Keys as token ids (ints or numeric strings), biases clamped to [-100, 100]."""
+    out, bad = {}, []
+    for token, value in bias.items():
+        try:
+            token_id = int(token) if not isinstance(token, (bool, float)) else None
+        except (TypeError, ValueError):
+            token_id = None
+        if token_id is None:
+            bad.append(token)
+            continue
+        if not _is_real(value) or value != value:  # NaN
+            raise ParameterError(f"logit_bias values must be numbers, got {value!r:.40} for "
+                                 f"token {token!r:.40}.", "logit_bias")
+        out[token_id] = float(min(100.0, max(-100.0, value)))  # an int of any size
+    if bad:
+        raise ParameterError("logit_bias contains key(s) that cannot be converted to integer "
+                             f"token IDs: {bad!r:.200}", "logit_bias")
+    return out
 
 
 class RequestOutputKind(enum.Enum):
@@ -105,6 +131,9 @@ class SamplingParams:
     # and a sequence's last token is banned whenever the output ends with the rest of it.
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None  # only these ids may be sampled (non-empty)
+    # token id -> a bias added to its logit before sampling (vLLM's; keys may be numeric
+    # strings, as on the wire; each bias is clamped to [-100, 100], as vLLM clamps it)
+    logit_bias: dict[int, float] | None = None
     # Accepted for vLLM compatibility and refused at admission, as vLLM v1 refuses them:
     # per-request logits processors (arbitrary Python on the logits) and best_of.
     logits_processors: list | None = None
@@ -155,6 +184,8 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
@@ -218,6 +249,12 @@ class SamplingParams:
                                  f"{self.allowed_token_ids!r:.80}.")
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids is not None and empty!")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be a dict of token id -> bias, got "
+                             f"{type(self.logit_bias).__name__}.")
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                             f"got {len(self.logit_bias)}.")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, a dict of "

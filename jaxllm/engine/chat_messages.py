@@ -1,7 +1,7 @@
 """Chat messages as a request gives them -> as chat templates read them.
 
-Owns the checks on a conversation (a non-empty list of {"role", "content"} dicts with known
-roles and text content; an assistant's content may be None beside its tool_calls) and what
+Owns the checks on a conversation (a non-empty list of {"role", "content"} dicts with a role
+and text content; an assistant's content may be None beside its tool_calls) and what
 templates are given: each content one string, and each assistant tool call's `arguments`
 (JSON text on the wire) the value it holds. Shared by `LLM.chat` and the server. Never
 renders a template (the processor and template_sandbox.py do) and never tokenizes.
@@ -14,12 +14,15 @@ from typing import Any
 
 from jaxllm.unicode_text import check_json_text
 
+# OpenAI's roles. Any other non-empty string is a custom role, passed to the chat template
+# as it is (vLLM's CustomChatCompletionMessageParam): the template decides what it means.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_conversation(conversation: Any, index: int = 0) -> None:
-    """A chat is a list of {"role", "content"} dicts with a known role and text content (a
-    string, or OpenAI's list of {"type": "text", "text"} parts)."""
+    """A chat is a list of {"role", "content"} dicts with a role (one of CHAT_ROLES or a
+    custom one) and text content (a string, or OpenAI's list of {"type": "text", "text"}
+    parts)."""
     where = f"conversation {index}"
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"{where} must be a non-empty list of messages, got "
@@ -29,9 +32,9 @@ def check_conversation(conversation: Any, index: int = 0) -> None:
             raise ValueError(f"{where}, message {j} must be a dict with 'role' and 'content', "
                              f"got {type(message).__name__}")
         role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise ValueError(f"{where}, message {j}: role must be one of {CHAT_ROLES}, got "
-                             f"{role!r}")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"{where}, message {j}: role must be a non-empty string (one of "
+                             f"{CHAT_ROLES}, or a custom role), got {role!r:.80}")
         content = message.get("content")
         if role == "assistant" and content is None and message.get("tool_calls"):
             continue

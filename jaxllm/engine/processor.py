@@ -294,6 +294,11 @@ class Processor:
             bad = [t for t in getattr(params, name) or [] if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} must be in [0, {self.vocab_size}), got {bad[0]}")
+        bad = [t for t in params.logit_bias or {} if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ParameterError(f"token_id(s) {bad[:8]} in logit_bias contain out-of-vocab "
+                                 f"token ids. Vocabulary size: {self.vocab_size}",
+                                 "logit_bias")
         banned_until_min_tokens(params, self.eos_token_ids)  # raises past the sampler's width
         self.research.check(params)
         if params.structured_outputs is not None:

@@ -37,6 +37,10 @@ from typing import Protocol
 from jaxllm.engine.block_hash import BlockHash, extend_block_hashes
 from jaxllm.research.requests import cache_extra_keys as research_cache_keys
 
+# The key of SamplingParams.extra_args that holds a request's cache_salt (vLLM's request
+# field; the server puts it there): only requests with the same salt share cached blocks.
+CACHE_SALT_KEY = "_cache_salt"
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that "finished" is one comparison: everything after PREEMPTED."""
@@ -170,8 +174,11 @@ class Request:
     def cache_extra_keys(self) -> tuple:
         """What besides the tokens a cached block must match: the request's steering
         vectors (jaxllm/research/requests.py), so a steered request's KV never serves a
-        plain one; a LoRA id and `cache_salt` will go here."""
-        return research_cache_keys(self.sampling_params)
+        plain one, and its cache_salt, so that salted requests share blocks only with the
+        same salt (a LoRA id will go here)."""
+        salt = (getattr(self.sampling_params, "extra_args", None) or {}).get(CACHE_SALT_KEY)
+        keys = research_cache_keys(self.sampling_params)
+        return keys if salt is None else (*keys, ("cache_salt", salt))
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

@@ -102,7 +102,8 @@ def test_malformed_prompts(llm, prompt, message):
 
 
 @pytest.mark.parametrize("messages, message", [
-    ([{"role": "wizard", "content": "hi"}], "role must be one of"),
+    ([{"role": 5, "content": "hi"}], "role must be a non-empty string"),
+    ([{"content": "hi"}], "role must be a non-empty string"),
     ([{"role": "user"}], "content must be a string"),
     ([{"role": "user", "content": 5}], "content must be a string"),
     ([{"role": "user", "content": [{"type": "image_url"}]}], "content must be a string"),
@@ -197,7 +198,7 @@ def malformed_calls(draw):
         return kind, draw(st.sampled_from(["x", {"n": 1}, 5, [None], [greedy(2), "y"]])), 1
     if kind == "chat":
         return kind, draw(st.sampled_from([
-            [{"role": "robot", "content": "hi"}], [{"content": "hi"}],
+            [{"role": 7, "content": "hi"}], [{"content": "hi"}],
             [{"role": "user", "content": None}], [{"role": "user", "content": {"a": 1}}],
             [{"role": "user", "content": [{"type": "text"}]}], [5], []])), riders
     count = draw(st.integers(32, 40))

@@ -98,9 +98,53 @@ def test_priority_validation(tiny_llm, priority_llm):
         priority_llm.generate(requests, greedy(2), use_tqdm=False, priority=[0, "1"])
     with pytest.raises(ValueError, match="priority must be an int, got bool"):
         priority_llm.generate(requests, greedy(2), use_tqdm=False, priority=[True, 0])
-    with pytest.raises(ValueError, match="priority must be a list of ints"):
-        priority_llm.generate(requests, greedy(2), use_tqdm=False, priority=3)
+    with pytest.raises(ValueError, match="priority must be an int or a list of ints"):
+        priority_llm.generate(requests, greedy(2), use_tqdm=False, priority="3")
+    with pytest.raises(ValueError, match=r"Got priority 3 but Priority scheduling"):
+        tiny_llm.generate(requests, greedy(2), use_tqdm=False, priority=3)  # one int: all
     assert not priority_llm.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match=r"scheduling_policy must be one of \('fcfs', "
                                          r"'priority'\), got 'lifo'"):
         LLM("unused", scheduling_policy="lifo")
+
+
+# Ported from vLLM's tests/entrypoints/llm/test_generate.py (test_multiple_priority,
+# test_single_prompt_priority). Adaptations: the tiny random Llama instead of vLLM's model,
+# greedy(2) instead of sampling_params=None (the default, 16 tokens, only costs time), and
+# ValueError for VLLMValidationError (which is a ValueError in vLLM).
+VLLM_PROMPTS = ["Hello, my name is", "The president of the United States is",
+                "The capital of France is", "The future of AI is"]
+
+
+def test_multiple_priority(tiny_llm):
+    outputs = tiny_llm.generate(VLLM_PROMPTS, greedy(2), use_tqdm=False, priority=None)
+    assert len(VLLM_PROMPTS) == len(outputs)
+    outputs = tiny_llm.generate(VLLM_PROMPTS, greedy(2), use_tqdm=False,
+                                priority=[0] * len(VLLM_PROMPTS))
+    assert len(VLLM_PROMPTS) == len(outputs)
+    with pytest.raises(ValueError):
+        tiny_llm.generate(VLLM_PROMPTS, greedy(2), use_tqdm=False,
+                          priority=[0] * (len(VLLM_PROMPTS) - 1))
+    with pytest.raises(ValueError):
+        tiny_llm.generate(VLLM_PROMPTS, greedy(2), use_tqdm=False, priority=[])
+
+
+def test_single_prompt_priority(tiny_llm):
+    # Single string prompts should be normalized to one request.
+    outputs = tiny_llm.generate(VLLM_PROMPTS[0], greedy(2), use_tqdm=False, priority=[0])
+    assert len(outputs) == 1
+
+
+def test_one_int_priority_for_every_prompt_and_in_chat(priority_llm):
+    requests = prompts(2)
+    # An int is every prompt's priority: the same tokens as the list spelling it out.
+    as_int = priority_llm.generate(requests, greedy(2), use_tqdm=False, priority=-1)
+    as_list = priority_llm.generate(requests, greedy(2), use_tqdm=False, priority=[-1, -1])
+    assert [o.outputs[0].token_ids for o in as_int] == [o.outputs[0].token_ids
+                                                        for o in as_list]
+    chat = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]
+    assert len(priority_llm.chat(chat, greedy(2), use_tqdm=False, priority=[1, 2])) == 2
+    assert len(priority_llm.chat(chat, greedy(2), use_tqdm=False, priority=4)) == 2
+    with pytest.raises(ValueError, match=r"lengths of prompts \(2\) and priority \(1\)"):
+        priority_llm.chat(chat, greedy(2), use_tqdm=False, priority=[1])
+    assert not priority_llm.llm_engine.has_unfinished_requests()

@@ -58,8 +58,9 @@ def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
     assert runner.step_fns.num_compiles == 5
     # Beside the steps: the block copy and the history row upload, and one program per
     # upload bucket of the per-slot device rows: block tables (4), bad words (16, 64, 256,
-    # 512), allowed-token bits (1, 2, 4 rows), grammar bitmasks (1, 2, 4 rows).
-    assert runner.num_compiles == 5 + 2 + 1 + 4 + 3 + 3
+    # 512), allowed-token bits (1, 2, 4 rows), logit biases (1, 2, 4 rows), grammar
+    # bitmasks (1, 2, 4 rows).
+    assert runner.num_compiles == 5 + 2 + 1 + 4 + 3 + 3 + 3
     compiled = runner.num_compiles
     long_prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 5)["input_ids"]
     assert 32 < len(long_prompt) < 64  # chunked prefill under the 32-token budget

@@ -21,9 +21,11 @@ ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL
 
 
 class InProcessApp:
-    def __init__(self, model_dir: str, **app_options):
-        """app_options: build_app's server options (e.g. trust_request_chat_template)."""
-        self.engine = AsyncLLM(AsyncEngineArgs(model=model_dir, **ENGINE))
+    def __init__(self, model_dir: str, engine_options: dict | None = None, **app_options):
+        """engine_options: engine settings over ENGINE's (e.g. max_logprobs); app_options:
+        build_app's server options (e.g. trust_request_chat_template)."""
+        self.engine = AsyncLLM(AsyncEngineArgs(model=model_dir,
+                                               **{**ENGINE, **(engine_options or {})}))
         self.app = build_app(self.engine, served_model_names=["tiny"], **app_options)
 
     def client(self) -> httpx.AsyncClient:

@@ -12,22 +12,17 @@ import math
 
 import pytest
 
-from engine_e2e.tiny_model import build_tiny_llama_dir
 from jaxllm.entrypoints.openai.serving import OpenAIServing
 
-from inprocess_app import InProcessApp, error_of
+from inprocess_app import error_of
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # Request templates are trusted here, so that what a template renders reaches the
-    # checks (an untrusted one is refused before rendering: test_request_limits.py).
-    app = InProcessApp(build_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_bad"))),
-                       trust_request_chat_template=True)
-    yield app
-    app.shutdown()
+def server(inprocess_server):
+    # The shared in-process server (conftest.py): request templates are trusted there.
+    return inprocess_server
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +79,7 @@ def test_a_top_k_past_int32_fails_no_other_clients_request(server):
     ("/v1/completions", {"prompt": "Hi", "seed": 2**63}, "seed",
      "Input should be less than or equal to 9223372036854775807 (seed)"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -2}, "top_logprobs",
-     "Input should be greater than or equal to -1 (top_logprobs)"),
+     "`top_logprobs` must be a positive value or -1."),  # vLLM's message
 ])
 def test_numbers_past_their_width_are_400s_naming_the_field(server, path, body, param,
                                                             message):
@@ -172,8 +167,8 @@ def test_a_minus_inf_logprob_is_stated_as_vllms_floor():
 
     entry = {7: Logprob(0.0, 1, "a"), 9: Logprob(-math.inf, 2, "b")}
     c = CompletionOutput(0, "a", [7], 0.0, [entry], "length")
-    legacy = completion_logprobs(c, 2, 0)
+    legacy = completion_logprobs(c.token_ids, c.logprobs, 2, 0)
     assert legacy["top_logprobs"] == [{"a": 0.0, "b": -9999.0}]
-    chat = chat_logprobs(c, 2)
+    chat = chat_logprobs(c.token_ids, c.logprobs, 2)
     assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [0.0, -9999.0]
     json.dumps([legacy, chat], allow_nan=False)  # what a JSON response needs

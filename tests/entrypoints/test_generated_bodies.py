@@ -18,9 +18,8 @@ import time
 
 import pytest
 
-from engine_e2e.tiny_model import build_tiny_llama_dir
 
-from inprocess_app import InProcessApp, error_of
+from inprocess_app import error_of
 
 SEED = 15
 PER_CLASS = 250
@@ -228,12 +227,9 @@ CLASSES = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # Request templates are trusted, so that the generated ones render (in the sandbox).
-    app = InProcessApp(build_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_fuzz"))),
-                       trust_request_chat_template=True)
-    yield app
-    app.shutdown()
+def server(inprocess_server):
+    # The shared in-process server (conftest.py): request templates are trusted there.
+    return inprocess_server
 
 
 def check(path: str, body, response) -> None:

@@ -50,7 +50,7 @@ MALFORMED = [
     ("/v1/completions", {"prompt": [5] * 300, "stream": True}, 400),
     ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 0}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}]}, 400),
     ("/v1/completions", BIG, 400),
     ("/v1/chat/completions", {**HOSTILE, "stream": True}, 400),
 ]

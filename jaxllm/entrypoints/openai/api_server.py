@@ -83,15 +83,18 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
               chat_template: str | None = None, trust_request_chat_template: bool = False,
               max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS,
               enable_auto_tools: bool = False, tool_parser: str | None = None,
-              frontend: FrontendOptions | None = None) -> FastAPI:
+              frontend: FrontendOptions | None = None,
+              enable_prompt_tokens_details: bool = True) -> FastAPI:
     """api_key: one key or several (any of them is accepted); frontend: the optional routes
-    and middlewares of vLLM's flags (frontend.py)."""
+    and middlewares of vLLM's flags (frontend.py; its return_tokens_as_token_ids is the
+    serving's default); enable_prompt_tokens_details: usage states cached prompt tokens."""
     frontend = frontend or FrontendOptions()
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     serving = OpenAIServing(engine, served_model_names, chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             max_completion_prompts=max_completion_prompts,
-                            enable_auto_tools=enable_auto_tools, tool_parser=tool_parser)
+                            enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
+                            enable_prompt_tokens_details=enable_prompt_tokens_details)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -114,7 +117,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         message = first.get("msg", "invalid request")
         if first.get("type") == "value_error":  # our own checks: their message as written
-            message = str(first.get("ctx", {}).get("error", message))
+            error = first.get("ctx", {}).get("error", message)
+            if getattr(error, "param", None):  # a ParameterError: it names its field
+                return error_response(400, str(error), "BadRequestError", error.param)
+            message = str(error)
         return error_response(400, message + (f" ({param})" if param else ""),
                               "BadRequestError", param)
 
@@ -164,6 +170,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         return requested
 
     async def respond(result, request: Request):
+        if isinstance(result, Response):  # the client left: nobody reads it
+            return result
         if not isinstance(result, dict):  # a stream of SSE chunks
             return StreamingResponse(result, media_type="text/event-stream")
         return JSONResponse(result)

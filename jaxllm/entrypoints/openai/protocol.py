@@ -1,8 +1,10 @@
 """The OpenAI wire format: request bodies (pydantic) and how they become SamplingParams.
 
-Owns the field names and defaults of `/v1/completions` and `/v1/chat/completions` bodies
-(OpenAI's response_format, tools and tool_choice shapes included), vLLM's sampling extras on
-them, and the error body `{"error": {message, type, param, code}}`.
+Owns the field names and defaults of `/v1/completions` and `/v1/chat/completions` bodies:
+every field of vLLM 0.32's CompletionRequest and ChatCompletionRequest (OpenAI's
+response_format, tools and tool_choice shapes included; prompt_embeds is refused by
+frontend.py), vLLM's rules across fields (request_rules.py, run before parsing), and
+the error body `{"error": {message, type, param, code}}`. Unknown fields are refused.
 Never touches the engine: range checks are SamplingParams' (one place), and their ValueError
 becomes a 400 in api_server.py. Two checks belong to the wire itself: every string of a body
 must be valid Unicode (a lone surrogate such as "\\ud800" reaches no tokenizer), and seeds
@@ -16,6 +18,8 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
+from jaxllm.engine.request import CACHE_SALT_KEY
+from jaxllm.entrypoints.openai.request_rules import check_body
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.structured_outputs import StructuredOutputsParams
 from jaxllm.unicode_text import check_json_text, check_text
@@ -44,7 +48,11 @@ def error_body(status: int, message: str, type_: str, param: str | None = None) 
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = False
+    # usage on every chunk too (each choice's counts so far)
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaResponseFormat(BaseModel):
@@ -103,7 +111,8 @@ class _Body(BaseModel):
 
 
 class _SamplingFields(_Body):
-    """Fields both endpoints share: OpenAI's, then vLLM's extras."""
+    """Fields both endpoints share: OpenAI's, then vLLM's extras (request_rules.py says
+    which vLLM fields are accepted without effect, or refused unless off)."""
 
     model: str | None = None
     n: int = 1
@@ -111,12 +120,15 @@ class _SamplingFields(_Body):
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stream: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -126,41 +138,74 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    truncation_side: Literal["left", "right"] | None = None
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
     # vLLM's StructuredOutputsParams fields, as a dict (structured_request.py reads it).
     structured_outputs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    # Accepted as vLLM accepts them, each with its rule in request_fields.py.
+    watermarking: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    session_id: str | None = None
+    routed_experts_prompt_start: int = Field(0, ge=0)
+    return_token_offsets: bool | None = False
+    mm_payload: Literal["tensors", "none"] = "tensors"
+    return_mm_kwargs: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    stream_interval: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_rules(cls, data: Any) -> Any:
+        return check_body(cls.__name__, data)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None
-                        ) -> SamplingParams:
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The SamplingParams of this body; ValueError (-> 400) on any bad value.
-        structured_outputs: the constraint the server built from the body's fields."""
+        structured_outputs: the constraint the server built from the body's fields;
+        prompt_logprobs: the body's, or what echo asks for."""
         defaults = SamplingParams()
         extra = {}
         if structured_outputs is not None:
             extra["structured_outputs"] = structured_outputs
-        if self.bad_words is not None:
+        if self.bad_words:
             extra["bad_words"] = self.bad_words
         if self.allowed_token_ids is not None:
             extra["allowed_token_ids"] = self.allowed_token_ids
+        if self.logit_bias:
+            extra["logit_bias"] = self.logit_bias
+        extra_args = dict(self.vllm_xargs or {})
+        if self.cache_salt is not None:
+            extra_args[CACHE_SALT_KEY] = self.cache_salt
+        if extra_args:
+            extra["extra_args"] = extra_args
+
+        def given(name):
+            value = getattr(self, name)
+            return getattr(defaults, name) if value is None else value
+
         return SamplingParams(
-            n=self.n,
-            temperature=defaults.temperature if self.temperature is None else self.temperature,
-            top_p=defaults.top_p if self.top_p is None else self.top_p,
-            top_k=defaults.top_k if self.top_k is None else self.top_k,
-            min_p=defaults.min_p if self.min_p is None else self.min_p,
-            repetition_penalty=(defaults.repetition_penalty if self.repetition_penalty is None
-                                else self.repetition_penalty),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            n=self.n, temperature=given("temperature"), top_p=given("top_p"),
+            top_k=given("top_k"), min_p=given("min_p"),
+            repetition_penalty=given("repetition_penalty"),
+            presence_penalty=given("presence_penalty"),
+            frequency_penalty=given("frequency_penalty"),
             stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -174,10 +219,10 @@ class CompletionRequest(_SamplingFields):
     prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _prompt_given(self):
@@ -190,13 +235,22 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]]
     max_tokens: int | None = None  # None: the rest of the context
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM)
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0  # -1: the whole vocabulary (vLLM)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    logit_bias: dict[str, float] | None = None
+    echo: bool = False
+    add_special_tokens: bool = False  # the chat template holds the special tokens
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                              "max"] | None = None
+    include_reasoning: bool = True
+    parallel_tool_calls: bool | None = True
+    return_prompt_text: bool | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionToolsParam] | None = None
     # None: "auto" when tools are given, else "none" (OpenAI's and vLLM's default).
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam \
@@ -240,8 +294,4 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
 

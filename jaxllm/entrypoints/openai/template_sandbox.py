@@ -10,7 +10,8 @@ use and again after it is killed or dies.
 
 Owns the variables a template sees (as transformers' `apply_chat_template` gives them: the
 messages without None values, the tokenizer's special tokens, add_generation_prompt,
-the request's tools, documents None, the request's chat_template_kwargs) and
+the request's tools, its documents (None unless its chat_template_kwargs hold them), the
+request's chat_template_kwargs) and
 `continue_final_message`.
 Never tokenizes (the processor does) and never renders the server's own template.
 """
@@ -60,8 +61,8 @@ class TemplateSandbox:
                 raise ValueError("continue_final_message needs a final message with text "
                                  "content")
             messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
-        variables = {**special_tokens, **(chat_template_kwargs or {}), "messages": messages,
-                     "tools": tools, "documents": None,
+        variables = {**special_tokens, "documents": None, **(chat_template_kwargs or {}),
+                     "messages": messages, "tools": tools,
                      "add_generation_prompt": add_generation_prompt}
         text = await asyncio.to_thread(self._render, template, variables)
         if final is not None:

@@ -6,6 +6,7 @@ from jaxllm.research.requests import ResearchConfig
 from jaxllm.runner.features.ablation import HeadAblationFeature
 from jaxllm.runner.features.capture import ActivationCapture
 from jaxllm.runner.features.grammar import GrammarBitmask
+from jaxllm.runner.features.logit_bias import LogitBias
 from jaxllm.runner.features.steering import Steering
 from jaxllm.runner.step_features import StepFeature
 
@@ -15,10 +16,12 @@ def make_step_features(research: ResearchConfig | None, *, num_slots: int, hidde
                        ) -> tuple[StepFeature, ...]:
     """The features of an engine, in the order they apply at a shared point: ablation and
     steering first, so that a capture sees the values the model goes on with. vocab_size
-    > 0: grammar bitmasks on the logits (structured outputs)."""
+    > 0: logit biases, then grammar bitmasks, on the logits (a bias cannot lift a token
+    the grammar masked)."""
     research = research or ResearchConfig()
     features: list[StepFeature] = []
     if vocab_size:
+        features.append(LogitBias(num_slots, vocab_size))
         features.append(GrammarBitmask(num_slots, vocab_size))
     if research.ablate_layers:
         features.append(HeadAblationFeature(research.ablate_layers, num_slots, num_heads,
