@@ -13,7 +13,9 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from jaxllm.models.config_families import family_fields
+from jaxllm.models.config_families import FULL, SLIDING, family_fields
+from jaxllm.models.config_keys import (optional_int, read_float, read_rope_params,
+                                       read_rope_theta, required_int)
 
 # config.json `model_type` -> the architecture HF's AutoModelForCausalLM builds for it; used
 # only when `architectures` is missing or null (configs written by hand or by old tools).
@@ -33,19 +35,6 @@ MODEL_TYPE_ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",  # the text model of a config that nests a text_config
 }
-
-# Architectures whose MLPs are mixtures of experts (models/moe.py).
-_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-
-# The Gemma family (models/gemma.py) and HF's defaults for what a config.json may leave out.
-GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_GEMMA_DEFAULTS = {
-    # architecture: (sliding-window layer period, attention softcap, final softcap)
-    "GemmaForCausalLM": (None, None, None),
-    "Gemma2ForCausalLM": (2, 50.0, 30.0),
-    "Gemma3ForCausalLM": (6, None, None),
-}
-SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` entries
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -201,56 +190,46 @@ class ModelConfig:
         if not isinstance(hf, Mapping):
             raise ValueError(f"a model config must be a JSON object, got {type(hf).__name__}")
         arch = architecture_of(hf)
-        if arch == "Gemma3ForCausalLM" and isinstance(hf.get("text_config"), Mapping):
-            # model_type "gemma3" (HF's multimodal config): the text model is in text_config.
-            hf = {**{k: hf[k] for k in ("bos_token_id", "eos_token_id") if k in hf},
-                  **hf["text_config"]}
         hf, family = family_fields(arch, hf)
-        num_heads = _required_int(hf, "num_attention_heads")
-        hidden = _required_int(hf, "hidden_size")
+        num_heads = required_int(hf, "num_attention_heads")
+        hidden = required_int(hf, "hidden_size")
         # max(.., 1): a zero head count is reported by __post_init__ by name, not as a
         # ZeroDivisionError here.
-        head_dim = _optional_int(hf, "head_dim") or hidden // max(num_heads, 1)
+        head_dim = optional_int(hf, "head_dim") or hidden // max(num_heads, 1)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        max_pos = _optional_int(hf, "max_position_embeddings")
+        max_pos = optional_int(hf, "max_position_embeddings")
         max_pos = 2048 if max_pos is None else max_pos
-        # Gemma 3's per-layer-type RoPE bases are read by _gemma_rope; LongRoPE reads the
+        # Gemma 3's per-layer-type RoPE bases are read by config_families.py; LongRoPE reads the
         # unclamped length.
         rope_scaling = None if arch == "Gemma3ForCausalLM" else _rope_scaling(hf, max_pos)
         fields = dict(
             architecture=arch,
-            vocab_size=_required_int(hf, "vocab_size"),
+            vocab_size=required_int(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_required_int(hf, "intermediate_size"),
-            num_hidden_layers=_required_int(hf, "num_hidden_layers"),
+            intermediate_size=required_int(hf, "intermediate_size"),
+            num_hidden_layers=required_int(hf, "num_hidden_layers"),
             num_attention_heads=num_heads,
             # 0 or null means "absent", as in transformers: plain multi-head attention.
-            num_key_value_heads=_optional_int(hf, "num_key_value_heads") or num_heads,
+            num_key_value_heads=optional_int(hf, "num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=_float(hf, "rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(hf),
+            rms_norm_eps=read_float(hf, "rms_norm_eps", 1e-6),
+            rope_theta=read_rope_theta(hf),
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=_qkv_bias(arch, hf),
             o_proj_bias=arch not in _QKV_ONLY_BIAS and bool(hf.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
             hidden_act=hf.get("hidden_act") or "silu",
-            partial_rotary_factor=_float(hf, "partial_rotary_factor", 0.0) or _float(
-                _rope_params(hf), "partial_rotary_factor", 1.0, where="rope_parameters"),
+            partial_rotary_factor=read_float(hf, "partial_rotary_factor", 0.0) or read_float(
+                read_rope_params(hf), "partial_rotary_factor", 1.0, where="rope_parameters"),
             sliding_window=_sliding_window(hf),
         )
-        # A family's own fields override the common reading above (models/config_families.py,
-        # the Gemma and mixture-of-experts translations below).
+        # A family's own fields override the common reading above (models/config_families.py).
         fields.update(family)
-        fields.update(_moe_fields(arch, hf))
-        if arch in GEMMA_ARCHITECTURES:
-            # HF's default: tied for Gemma, untied for the Llama family.
-            fields.update(tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-                          **_gemma_fields(arch, hf, _required_int(hf, "num_hidden_layers")))
         return cls(**fields)
 
 
@@ -266,45 +245,18 @@ def _qkv_bias(arch: str, hf: Mapping[str, Any]) -> bool:
     return bool(hf.get("attention_bias", False))
 
 
-def _moe_fields(arch: str, hf: Mapping[str, Any]) -> dict:
-    """The mixture-of-experts fields of ModelConfig from an HF config (none for dense)."""
-    if arch not in _MOE_ARCHITECTURES:
-        return {}
-    if arch == "MixtralForCausalLM":  # every layer sparse; intermediate_size is an expert's
-        return dict(num_experts=_required_int(hf, "num_local_experts"),
-                    num_experts_per_tok=_required_int(hf, "num_experts_per_tok"),
-                    moe_intermediate_size=_required_int(hf, "intermediate_size"))
-    only = hf.get("mlp_only_layers") or ()
-    if not isinstance(only, (list, tuple)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in only):
-        raise ValueError(f"config key 'mlp_only_layers' must be a list of layer indices, "
-                         f"got {only!r}")
-    # Qwen's config.json says num_experts; transformers >= 5 writes num_local_experts.
-    num_experts = _optional_int(hf, "num_experts")
-    return dict(num_experts=(_required_int(hf, "num_local_experts") if num_experts is None
-                             else num_experts),
-                num_experts_per_tok=_required_int(hf, "num_experts_per_tok"),
-                moe_intermediate_size=_required_int(hf, "moe_intermediate_size"),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=(
-                    _required_int(hf, "shared_expert_intermediate_size")
-                    if arch == "Qwen2MoeForCausalLM" else 0),
-                decoder_sparse_step=_optional_int(hf, "decoder_sparse_step") or 1,
-                mlp_only_layers=tuple(only))
-
-
 def _sliding_window(hf: Mapping[str, Any]) -> int | None:
     """HF's window where every layer uses it, else None (Mistral v0.1: 4096; later Mistrals
     and most Qwen2 configs: none). `use_sliding_window: false` turns it off (Qwen2/Qwen3); there
     layers from `max_window_layers` on use it, as in transformers: all of them or none is
     supported, a mix is a ValueError (as in vLLM)."""
-    window = _optional_int(hf, "sliding_window")
+    window = optional_int(hf, "sliding_window")
     if not window or not hf.get("use_sliding_window", True):
         return None
-    max_window_layers = _optional_int(hf, "max_window_layers")
+    max_window_layers = optional_int(hf, "max_window_layers")
     if max_window_layers is None or max_window_layers <= 0:
         return window
-    num_layers = _required_int(hf, "num_hidden_layers")
+    num_layers = required_int(hf, "num_hidden_layers")
     if max_window_layers >= num_layers:
         return None  # transformers windows layers i >= max_window_layers: none here
     raise ValueError(f"use_sliding_window with max_window_layers={max_window_layers} < "
@@ -336,117 +288,9 @@ def architecture_of(hf: Mapping[str, Any]) -> str:
         f"{supported}")
 
 
-def _gemma_fields(arch: str, hf: Mapping[str, Any], num_layers: int) -> dict:
-    """ModelConfig fields of a Gemma, Gemma 2 or Gemma 3 config.json (HF's defaults for keys
-    it leaves out)."""
-    period, attn_cap, final_cap = _GEMMA_DEFAULTS[arch]
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("config key 'use_bidirectional_attention' is true: only causal "
-                         "attention is supported")
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act in ("gelu", "gelu_pytorch_tanh"):  # Gemma's "gelu" means the tanh form (HF too)
-        act = "gelu_pytorch_tanh"
-    else:
-        raise ValueError(f"config key 'hidden_activation' is {act!r}; Gemma models support "
-                         f"'gelu_pytorch_tanh'")
-    fields: dict[str, Any] = {"hidden_act": act, "rms_norm_unit_offset": True}
-    if period is None:  # Gemma (1): Llama's layout otherwise
-        return fields
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
-        period = _optional_int(hf, "sliding_window_pattern") or period
-        layer_types = [FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers)]
-    if not isinstance(layer_types, (list, tuple)):
-        raise ValueError(f"config key 'layer_types' must be a list, got {layer_types!r}")
-    rope = _gemma_rope(hf) if arch == "Gemma3ForCausalLM" else {"rope_theta": _rope_theta(hf)}
-    window = _optional_int(hf, "sliding_window")
-    fields.update(
-        sandwich_norms=True,
-        query_pre_attn_scalar=_float(hf, "query_pre_attn_scalar", 256.0),
-        # Gemma 3's config carries attn_logit_softcapping, but HF's and vLLM's Gemma 3 never
-        # apply it: neither do we.
-        attn_logit_softcapping=(_float(hf, "attn_logit_softcapping", 0.0) or None
-                                if arch == "Gemma2ForCausalLM" else None),
-        final_logit_softcapping=(_float(hf, "final_logit_softcapping", 0.0) or None
-                                 if "final_logit_softcapping" in hf else final_cap),
-        sliding_window=4096 if window is None else window,
-        layer_types=tuple(layer_types),
-        **rope)
-    if attn_cap is not None and "attn_logit_softcapping" not in hf:
-        fields["attn_logit_softcapping"] = attn_cap
-    return fields
-
-
-def _gemma_rope(hf: Mapping[str, Any]) -> dict:
-    """Gemma 3's two RoPE bases: global layers' (rope_theta) and sliding layers'
-    (rope_local_base_freq); transformers >= 5 nests them per layer type in rope_parameters."""
-    params = hf.get("rope_parameters") or {}
-    per_type = {}
-    for layer_type, key, default in ((FULL, "rope_theta", 1_000_000.0),
-                                     (SLIDING, "rope_local_base_freq", 10_000.0)):
-        nested = params.get(layer_type) if isinstance(params, Mapping) else None
-        if isinstance(nested, Mapping):
-            kind = nested.get("rope_type") or nested.get("type")
-            if kind not in (None, "default"):
-                raise ValueError(f"rope_parameters[{layer_type!r}] type {kind!r} is not "
-                                 f"supported for Gemma 3 (supported: 'default')")
-            per_type[layer_type] = _float(nested, "rope_theta", default, "rope_parameters")
-        else:
-            per_type[layer_type] = _float(hf, key, default)
-    if hf.get("rope_scaling"):
-        raise ValueError(f"config key 'rope_scaling' ({hf['rope_scaling']!r}) is not "
-                         f"supported for Gemma 3")
-    return {"rope_theta": per_type[FULL], "rope_local_theta": per_type[SLIDING]}
-
-
-def _optional_int(hf: Mapping[str, Any], key: str) -> int | None:
-    """hf[key] as an int, None when absent or null. 12.0 is accepted; 12.5, "12", true are not."""
-    value = hf.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            isinstance(value, float) and not value.is_integer()):
-        raise ValueError(f"config key {key!r} must be an integer, got {value!r}")
-    return int(value)
-
-
-def _required_int(hf: Mapping[str, Any], key: str) -> int:
-    value = _optional_int(hf, key)
-    if value is None:
-        state = "null" if key in hf else "missing"
-        raise ValueError(f"config key {key!r} (an integer) is required but is {state}")
-    return value
-
-
-def _float(hf: Mapping[str, Any], key: str, default: float, where: str = "config") -> float:
-    value = hf.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where} key {key!r} must be a number, got {value!r}")
-    return float(value)
-
-
-def _rope_params(hf: Mapping[str, Any]) -> Mapping[str, Any]:
-    # transformers >= 5 folds rope_theta and rope_scaling into `rope_parameters`.
-    for key in ("rope_parameters", "rope_scaling"):
-        value = hf.get(key)
-        if value:
-            if not isinstance(value, Mapping):
-                raise ValueError(f"config key {key!r} must be an object, got {value!r}")
-            return value
-    return {}
-
-
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    if hf.get("rope_theta") is not None:
-        return _float(hf, "rope_theta", 10000.0)
-    return _float(_rope_params(hf), "rope_theta", 10000.0, where="rope_parameters")
-
-
 def _rope_scaling(hf: Mapping[str, Any], max_pos: int
                   ) -> RopeScaling | LongRopeScaling | None:
-    rs = _rope_params(hf)
+    rs = read_rope_params(hf)
     kind = rs.get("rope_type") or rs.get("type")
     if kind in (None, "default"):
         return None
@@ -461,10 +305,10 @@ def _rope_scaling(hf: Mapping[str, Any], max_pos: int
         raise ValueError(f"llama3 rope scaling needs {', '.join(missing)} in "
                          f"rope_parameters / rope_scaling")
     return RopeScaling(
-        factor=_float(rs, "factor", 0.0, where="rope_scaling"),
-        low_freq_factor=_float(rs, "low_freq_factor", 0.0, where="rope_scaling"),
-        high_freq_factor=_float(rs, "high_freq_factor", 0.0, where="rope_scaling"),
-        original_max_position_embeddings=_required_int(rs, "original_max_position_embeddings"),
+        factor=read_float(rs, "factor", 0.0, where="rope_scaling"),
+        low_freq_factor=read_float(rs, "low_freq_factor", 0.0, where="rope_scaling"),
+        high_freq_factor=read_float(rs, "high_freq_factor", 0.0, where="rope_scaling"),
+        original_max_position_embeddings=required_int(rs, "original_max_position_embeddings"),
     )
 
 
@@ -479,15 +323,15 @@ def _long_rope(hf: Mapping[str, Any], rs: Mapping[str, Any], max_pos: int) -> Lo
             raise ValueError(f"longrope scaling needs {key!r}, a list of numbers, in "
                              f"rope_parameters / rope_scaling; got {value!r}")
         factors[key] = tuple(float(f) for f in value)
-    original = _optional_int(rs, "original_max_position_embeddings") or _optional_int(
+    original = optional_int(rs, "original_max_position_embeddings") or optional_int(
         hf, "original_max_position_embeddings")
     if original is None:
         raise ValueError("longrope scaling needs original_max_position_embeddings (in the "
                          "config or in rope_parameters / rope_scaling)")
-    factor = _float(rs, "factor", 0.0, where="rope_scaling") or max_pos / original
+    factor = read_float(rs, "factor", 0.0, where="rope_scaling") or max_pos / original
     attention = rs.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     return LongRopeScaling(factors["short_factor"], factors["long_factor"], original,
-                           _float({"attention_factor": attention}, "attention_factor", 1.0,
+                           read_float({"attention_factor": attention}, "attention_factor", 1.0,
                                   where="rope_scaling"))
