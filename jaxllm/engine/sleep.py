@@ -11,10 +11,10 @@ wake_up(tags): "weights" and/or "kv_cache" (vLLM's tags; None: both). A fresh, z
 comes back with "kv_cache"; the engine stays asleep until both are back.
 
 Owns only this state and its rules; the moves of device arrays are the runner's
-(ModelRunner.release_device_memory / restore_device_memory, runner/device_sleep.py). Runs on the engine thread (through the engine loop's "call"), like
-every other touch of the engine. Never sleeps with requests in flight (it refuses), never
-imports jax, and never lets a step run while asleep: the front end refuses requests until
-wake_up (async_llm.py).
+(ModelRunner.release_device_memory / restore_device_memory, runner/device_sleep.py). Runs on
+the engine thread (through the engine loop's "call"), like every other touch of the engine.
+Never sleeps with requests in flight (it refuses), never imports jax, and never lets a step
+run while asleep: the front end refuses requests until wake_up (async_llm.py).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Owns: per architecture, the renaming of a family's own keys to the common ones t
 `ModelConfig.from_hf_config` reads (GPT-2's n_embd, n_layer...; OPT's ffn_dim; Gemma 3's
 nested text_config) and the family's flags (norm type, positional scheme, biases, attention
 scaling, Gemma's norms, soft-caps and layer pattern, the experts of a mixture), with HF's
-defaults for keys a config.json leaves out. Never imports jax and never reads files (config.py's rules);
-an architecture not listed here passes through unchanged (the Llama family).
+defaults for keys a config.json leaves out. Never imports jax and never reads files
+(config.py's rules); an architecture not listed here passes through unchanged (the Llama
+family).
 """
 
 from __future__ import annotations

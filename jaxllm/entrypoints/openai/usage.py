@@ -2,9 +2,10 @@
 
 Owns vLLM's usage rules: prompt, completion and total tokens; `prompt_tokens_details`
 ({"cached_tokens": prompt tokens whose KV came from the prefix cache}) when the server states
-them (vLLM's --enable-prompt-tokens-details, on by default in jaxllm); a stream's usage at its end with
-stream_options.include_usage, and on every chunk too with continuous_usage_stats (which
-needs include_usage, as in vLLM). Never counts a token itself: the outputs did.
+them (vLLM's --enable-prompt-tokens-details, on by default in jaxllm); a stream's usage at
+its end with stream_options.include_usage, and on every chunk too with
+continuous_usage_stats (which needs include_usage, as in vLLM). Never counts a token itself:
+the outputs did.
 """
 
 from __future__ import annotations

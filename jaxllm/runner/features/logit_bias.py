@@ -4,10 +4,11 @@ Owns the device half of `SamplingParams.logit_bias` (vLLM's field; the server's 
 One per-slot table `logit_bias` [R + 1, 2, M] float32, M = MAX_LOGIT_BIAS_TOKENS: row [0]
 holds V - token id (exact in float32 below 2^24), so that the fill value 0 (unused columns,
 the fill row) reads as id V, past the vocabulary; row [1] the biases. One table, not an int
-and a float one, so that it adds one set of upload programs to the warm-up. A row is written only when a request joins its slot
-(a plain request after a biased one resets it). At the "logits" point each sequence adds its slot's biases
-with a scatter whose out-of-vocabulary ids are dropped; a `lax.cond` skips it when no row
-of the step is biased. Never validates a bias (SamplingParams and the processor do).
+and a float one, so that it adds one set of upload programs to the warm-up. A row is written
+only when a request joins its slot (a plain request after a biased one resets it). At the
+"logits" point each sequence adds its slot's biases with a scatter whose out-of-vocabulary
+ids are dropped; a `lax.cond` skips it when no row of the step is biased. Never validates a
+bias (SamplingParams and the processor do).
 
 Unlike vLLM, where the bias is applied after the raw logprobs are taken, returned raw
 logprobs here include the bias: the "logits" point is before the sampler's raw copy.
