@@ -108,8 +108,10 @@ def test_bytes_per_step_are_exactly_the_expected_count(one_slot_llm):
     # One block-table call: bucket 4 (max(1 slot, 4 blocks)) of (int32 index, int32 id).
     table_call = 4 * 8
     allowed_row = 4 + 49152 // 32 * 4  # slot + one whole row of bit words
-    # The grammar bitmask table (structured outputs) sends nothing for unconstrained rows.
-    nothing = {"block_tables": 0, "bad_words": 0, "allowed_token_bits": 0, "grammar_bitmask": 0}
+    # The grammar bitmask and logit bias tables send nothing for rows that use neither (an
+    # unbiased request's row equals the fill row its slot already holds).
+    nothing = {"block_tables": 0, "bad_words": 0, "allowed_token_bits": 0, "logit_bias": 0,
+               "grammar_bitmask": 0}
 
     # 16 prompt tokens fill block one; the first decode (position 16) appends block two.
     sent = step_bytes(one_slot_llm, list(range(100, 116)), greedy(3))
@@ -125,7 +127,7 @@ def test_bytes_per_step_are_exactly_the_expected_count(one_slot_llm):
     num_bad = int((runner.input_batch.bad_words.host[0] != NO_TOKEN).sum())
     assert 1 <= num_bad <= 16  # the smallest entry bucket
     joined = {"block_tables": table_call, "bad_words": 16 * 8,
-              "allowed_token_bits": allowed_row, "grammar_bitmask": 0,
+              "allowed_token_bits": allowed_row, "logit_bias": 0, "grammar_bitmask": 0,
               "step arguments": step_argument_bytes(4, 1)}
     assert sent == [joined, {**nothing, "step arguments": step_argument_bytes(2, 1)}]
     # The next request uses neither: the slot's rows go back to their fill values once ...

@@ -16,13 +16,17 @@ def test_sleep_level_1_releases_and_restores_the_same_arrays(tiny_llm):
     runner = tiny_llm.llm_engine.model_runner
     weights = jax.tree.leaves(runner.state)
     before = [np.asarray(a) for a in weights]
-    shapes = [(a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(runner.kv_caches)]
-    arrays = weights + jax.tree.leaves(runner.kv_caches)
+    before_kv = jax.tree.leaves(runner.kv_caches)
+    arrays = weights + before_kv
     tiny_llm.sleep(1)
     assert all(a.is_deleted() for a in arrays)
     assert tiny_llm.wake_up(["kv_cache"]) is False  # the weights still sleep
     kv = jax.tree.leaves(runner.kv_caches)
-    assert [(a.shape, a.dtype, a.sharding) for a in kv] == shapes
+    assert [(a.shape, a.dtype) for a in kv] == [(a.shape, a.dtype) for a in before_kv]
+    # The same placement: a step's output cache may spell a one-device mesh's sharding as P()
+    # where the fresh cache says P(None, None, "tp", None); both put every block on the same
+    # device, which is what equivalence checks.
+    assert all(a.sharding.is_equivalent_to(b.sharding, a.ndim) for a, b in zip(kv, before_kv))
     assert all(not np.asarray(a).any() for a in kv)  # a fresh, zero cache
     assert tiny_llm.wake_up() is True
     after = jax.tree.leaves(runner.state)

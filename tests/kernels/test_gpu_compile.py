@@ -102,7 +102,9 @@ def assert_compiles_clean(target, variant, dtype, D, options=(), **extra):
 @pytest.mark.parametrize("target,hopper", [("h100", True), ("h200", True), ("a100", False),
                                            ("l4", False)])
 def test_tall_prefill_tile_uses_wgmma_on_hopper_only(target, hopper):
-    result = compiled_kernel(target, "prefill", "bfloat16", 128)
+    # The same arguments as assert_compiles_clean's call: one cached compile per kernel (a
+    # second deviceless compile would read JAX's persistent cache, which needs a client).
+    result = compiled_kernel(target, "prefill", "bfloat16", 128, ())
     ptx = result.ptx[result.kernel("ragged_paged").name]
     assert ("wgmma.mma_async" in ptx) == hopper
     assert hopper or "mma.sync" in ptx
