@@ -34,6 +34,7 @@ from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxllm.entrypoints.openai.streams import coalesced, last_output, sse_body
 from jaxllm.entrypoints.openai.structured_request import (RequestConstraint, chat_constraint,
                                                           errors_named)
+from jaxllm.entrypoints.openai.tokenization import request_template
 from jaxllm.entrypoints.openai.tool_calls import (stream_choices, tool_choice_message,
                                                   tool_reader)
 from jaxllm.entrypoints.openai.usage import stream_usage, usage
@@ -46,16 +47,7 @@ def check_chat(serving, req: ChatCompletionRequest) -> tuple[str | None, Request
     constraint = chat_constraint(req, serving.enable_auto_tools)
     serving.engine.engine.processor.check_priority(req.priority)
     check_truncation(req.truncate_prompt_tokens, serving.max_model_len)
-    template = req.chat_template
-    if req.chat_template_kwargs and "chat_template" in req.chat_template_kwargs:
-        template = req.chat_template_kwargs["chat_template"]
-    if template is not None and serving.template_sandbox is None:
-        raise ValueError("this request brings its own chat_template, which the server "
-                         "refuses: chat templates run as code, and request templates are "
-                         "accepted only with --trust-request-chat-template")
-    if template is not None and not isinstance(template, str):
-        raise ValueError(f"chat_template must be a string, got {type(template).__name__}")
-    return template, constraint
+    return request_template(serving, req), constraint
 
 
 def max_tokens_param(req: ChatCompletionRequest) -> str | None:

@@ -28,7 +28,7 @@ async def tokenize_response(serving, body: TokenizeRequest) -> dict:
                              "`add_generation_prompt` to True.")
         chat = body.model_copy(update={"add_generation_prompt": body.add_generation_prompt
                                        and not body.continue_final_message})
-        prompt = await serving.chat_prompt(chat, _request_template(serving, body))
+        prompt = await serving.chat_prompt(chat, request_template(serving, body))
         tokens = prompt.token_ids
         if body.add_special_tokens:  # vLLM's default for messages is false
             tokens = await engine.offload(_encode, engine, prompt.text, True)
@@ -43,9 +43,10 @@ async def tokenize_response(serving, body: TokenizeRequest) -> dict:
     return out
 
 
-def _request_template(serving, body: TokenizeRequest) -> str | None:
-    """The request's own chat template (from the field or chat_template_kwargs), refused
-    unless the server trusts request templates, as a chat completion's is."""
+def request_template(serving, body: TokenizeRequest) -> str | None:
+    """The request's own chat template (from the field or chat_template_kwargs; None: the
+    server's), refused unless the server trusts request templates: /tokenize's and a chat
+    completion's alike (serving_chat.py)."""
     template = body.chat_template
     if body.chat_template_kwargs and "chat_template" in body.chat_template_kwargs:
         template = body.chat_template_kwargs["chat_template"]
