@@ -30,6 +30,7 @@ from hf_random import tiny_hf_model  # noqa: F401  (re-exported for the model te
 from jaxllm.messages import NewRequestData, SchedulerOutput
 from jaxllm.models.base import AttentionMetadata, KVCache
 from jaxllm.models.config import ModelConfig
+from jaxllm.kernels.linear_methods import get_linear_method
 from jaxllm.models.parallel import ParallelOps
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.input_batch import InputBatch
@@ -120,24 +121,28 @@ def nan_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> 
             for _ in range(cfg.num_hidden_layers)]
 
 
-def jit_step(model, attention_backend: str = "xla", linear: str = "xla"):
-    """-> step(md, kv_caches) -> (logits [T, V] f32, kv_caches), jitted once over
-    (graphdef, state) with the caches donated, as the model runner does it. linear: the
-    linear method (kernels/linear_methods.py); a copy of the model's weights goes through its
-    process_weights_after_loading, `model` stays as it is."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention_backend", "linear"),
+                   donate_argnames=("kv_caches",))
+def _step(graphdef, state, md, kv_caches, attention_backend: str, linear: str):
     ops = ParallelOps.single_device(attention_backend, linear)
+    m = nnx.merge(graphdef, state)
+    hidden_TD, kv_caches = m(md, kv_caches, ops)
+    return m.compute_logits(hidden_TD, ops), kv_caches
+
+
+def jit_step(model, attention_backend: str = "xla", linear: str = "xla"):
+    """-> step(md, kv_caches) -> (logits [T, V] f32, kv_caches), jitted over
+    (graphdef, state) with the caches donated, as the model runner does it. One jitted
+    function for every model: a model of the same graph (architecture, config) and the same
+    shapes reuses the compiled program. linear: the linear method
+    (kernels/linear_methods.py); a copy of the model's weights goes through its
+    process_weights_after_loading, `model` stays as it is."""
     if linear != "xla":
         model = nnx.clone(model)
-        model.process_weights_after_loading(ops.linear_method)
+        model.process_weights_after_loading(get_linear_method(linear))
     graphdef, state = nnx.split(model)
-
-    @functools.partial(jax.jit, donate_argnames=("kv_caches",))
-    def step(state, md, kv_caches):
-        m = nnx.merge(graphdef, state)
-        hidden_TD, kv_caches = m(md, kv_caches, ops)
-        return m.compute_logits(hidden_TD, ops), kv_caches
-
-    return lambda md, kv_caches: step(state, md, kv_caches=kv_caches)
+    return lambda md, kv_caches: _step(graphdef, state, md, kv_caches=kv_caches,
+                                       attention_backend=attention_backend, linear=linear)
 
 
 def prefill_logits(model, cfg: ModelConfig, token_ids: Sequence[int], *, block_size: int = 4,
