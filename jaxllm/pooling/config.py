@@ -138,4 +138,22 @@ def read_pooling_model(model_dir: str, hf: Mapping[str, Any], convert: str
         matryoshka_dimensions=tuple(dims) if dims else None)
 
 
-__all__ = ["PoolerConfig", "read_pooling_model", "runner_and_convert"]
+
+
+
+def wants_pooling_runner(model: str | None, runner: str, convert: str) -> bool:
+    """vLLM's runner choice: "pooling" or "generate" as asked; "auto" pools when a convert is
+    asked or the checkpoint's architecture is a pooling model."""
+    if runner != "auto":
+        return runner == "pooling"
+    if convert in ("embed", "classify"):
+        return True
+    if model is None:
+        return False
+    from jaxllm.models.resolve import resolve_model
+    resolved = resolve_model(model)
+    path = os.path.join(resolved.path, "config.json")
+    if resolved.kind != "hf_dir" or not os.path.isfile(path):
+        return False
+    return is_pooling_architecture(architecture_of(_read(path)))
+__all__ = ["PoolerConfig", "read_pooling_model", "runner_and_convert", "wants_pooling_runner"]
