@@ -143,17 +143,34 @@ def read_pooling_model(model_dir: str, hf: Mapping[str, Any], convert: str
 
 def wants_pooling_runner(model: str | None, runner: str, convert: str) -> bool:
     """vLLM's runner choice: "pooling" or "generate" as asked; "auto" pools when a convert is
-    asked or the checkpoint's architecture is a pooling model."""
+    asked or the checkpoint's architecture is a pooling model. Looks only on this machine (a
+    directory, the HF cache, a packaged model): a model found nowhere is the generative
+    loader's to download or to report."""
     if runner != "auto":
         return runner == "pooling"
     if convert in ("embed", "classify"):
         return True
     if model is None:
         return False
-    from jaxllm.models.resolve import resolve_model
-    resolved = resolve_model(model)
-    path = os.path.join(resolved.path, "config.json")
-    if resolved.kind != "hf_dir" or not os.path.isfile(path):
+    from jaxllm.models.packaged_hf import PACKAGED
+    from jaxllm.models.resolve import _cached_snapshot
+
+    if model in PACKAGED:
+        return True
+    folder = os.path.expanduser(model)
+    if not os.path.isdir(folder):
+        try:
+            folder = _cached_snapshot(model)
+        except Exception:  # not cached, or not a hub id: not ours to report
+            return False
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
         return False
-    return is_pooling_architecture(architecture_of(_read(path)))
+    try:
+        hf = _read(path)
+        return isinstance(hf, Mapping) and is_pooling_architecture(architecture_of(hf))
+    except ValueError:  # not JSON, or no architecture: the generative loader says so, naming
+        return False    # the file, as it does for any model
+
+
 __all__ = ["PoolerConfig", "read_pooling_model", "runner_and_convert", "wants_pooling_runner"]

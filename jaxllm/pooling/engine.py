@@ -54,6 +54,8 @@ class PoolingEngine:
                              f"{resolved.name!r} is a {resolved.kind}")
         hf = read_json(os.path.join(resolved.path, "config.json"))
         mcfg, self.pooler_config = read_pooling_model(resolved.path, hf, config.convert)
+        id2label = hf.get("id2label") if isinstance(hf.get("id2label"), dict) else {}
+        self.labels = {int(k): str(v) for k, v in id2label.items() if str(k).isdigit()}
         # "auto" is float32 on the CPU: an encoder's step is small, and parity is exact.
         dtype = (jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32) \
             if config.dtype == "auto" else DTYPES[config.dtype]

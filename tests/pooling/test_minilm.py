@@ -1,7 +1,7 @@
 """The default pooling model, all-MiniLM-L6-v2 (the packaged zip), against sentence-transformers
 on the same files: embeddings, normalize off, truncation, score pairing, and the refusals.
 
-One engine for the module (five token buckets, 16..256); sentence-transformers runs in
+One engine for the package (conftest.py); sentence-transformers runs in
 float32 on torch CPU, as jaxllm does here.
 """
 
@@ -22,8 +22,8 @@ SENTENCES = [" ".join(WORDS[(i * 7) % 11:(i * 7) % 11 + 3 + (i * 5) % 20]).capit
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(runner="pooling", max_model_len=128, max_num_batched_tokens=256)
+def llm(minilm):
+    return minilm
 
 
 @pytest.fixture(scope="module")
