@@ -8,10 +8,18 @@ float32. Never touches a KV cache: the `kv` argument passes through untouched (a
 has none), and there is no prefix to reuse.
 
 Letters: T packed tokens (a bucket), S sequences (a bucket), N query heads, K kv heads,
-H head dim.
+H head dim, G tiles of B rows, C keys a tile's queries score.
 
     tokens  | a a a a | b b | c c c | pad pad |      seq_ids  0 0 0 0 1 1 2 2 2 S S
     a row of `b` sees the two `b` columns only; padding rows see padding only (never NaN).
+
+Tiles. Scores over the whole step cost T * T per head where the prompts need only the sum of
+their squares; in a large step (T >= 4 tiles) the rows are cut into tiles of B >= max_model_len
+rows, and a tile's queries score only the keys of the tiles before, at and after it: no prompt
+is longer than B, so none spans more than two neighbouring tiles (3 * B * T scores).
+
+    tiles of B rows:   |  t0  |  t1  |  t2  |  t3  |      queries of t2 score keys t1 t2 t3
+    a prompt may start in t1 and end in t2: all its keys are there
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class DenseAttention:
     encoders, causal for a decoder used as an embedding or classification model."""
 
     causal: bool
+    tile: int | None = None  # B, a power of two >= max_model_len; None: never tiled
     mesh = None  # one device: ParallelOps runs its plain, unsharded ops
 
     def __call__(self, q_TNH, k_TKH, v_TKH, kv, md: PoolingMetadata, *, sm_scale: float,
@@ -47,21 +56,34 @@ class DenseAttention:
         group = N // k_TKH.shape[1]
         k_TNH = jnp.repeat(k_TKH, group, axis=1)
         v_TNH = jnp.repeat(v_TKH, group, axis=1)
+        B = self.tile if self.tile is not None and T >= 4 * self.tile else T
+        G = T // B  # G tiles of B query rows, each scoring C = 3B keys (C = T untiled)
+
+        def keys(x, fill):  # [T, ...] -> [G, C, ...]: each tile's neighbourhood
+            if G == 1:
+                return x[None]
+            pad = jnp.full((B,) + x.shape[1:], fill, x.dtype)
+            xp = jnp.concatenate([pad, x, pad])
+            return jnp.concatenate([xp[i * B:(i + G) * B].reshape((G, B) + x.shape[1:])
+                                    for i in range(3)], axis=1)
+
+        q_GBNH = q_TNH.reshape(G, B, N, H)
         # float32 scores and softmax whatever the weights' dtype (HF's eager attention too).
-        s_NTT = jnp.einsum("tnh,snh->nts", q_TNH, k_TNH,
-                           preferred_element_type=jnp.float32) * sm_scale
+        s_GNBC = jnp.einsum("gbnh,gcnh->gnbc", q_GBNH, keys(k_TNH, 0),
+                            preferred_element_type=jnp.float32) * sm_scale
         if logits_soft_cap is not None:
-            s_NTT = logits_soft_cap * jnp.tanh(s_NTT / logits_soft_cap)
-        mask_TT = md.seq_ids[:, None] == md.seq_ids[None, :]
+            s_GNBC = logits_soft_cap * jnp.tanh(s_GNBC / logits_soft_cap)
+        mask_GBC = md.seq_ids.reshape(G, B)[:, :, None] == keys(md.seq_ids, -1)[:, None, :]
         if self.causal:
-            rel_TT = md.positions[:, None] - md.positions[None, :]
-            mask_TT &= rel_TT >= 0
+            rel_GBC = (md.positions.reshape(G, B)[:, :, None]
+                       - keys(md.positions, 0)[:, None, :])
+            mask_GBC &= rel_GBC >= 0
             if sliding_window is not None:
-                mask_TT &= rel_TT < sliding_window
-        s_NTT = jnp.where(mask_TT[None], s_NTT, -jnp.inf)
-        p_NTT = jax.nn.softmax(s_NTT, axis=-1)
-        o_TNH = jnp.einsum("nts,snh->tnh", p_NTT, v_TNH.astype(jnp.float32))
-        return o_TNH.astype(q_TNH.dtype), kv
+                mask_GBC &= rel_GBC < sliding_window
+        s_GNBC = jnp.where(mask_GBC[:, None], s_GNBC, -jnp.inf)
+        p_GNBC = jax.nn.softmax(s_GNBC, axis=-1)
+        o_GBNH = jnp.einsum("gnbc,gcnh->gbnh", p_GNBC, keys(v_TNH, 0).astype(jnp.float32))
+        return o_GBNH.reshape(T, N, H).astype(q_TNH.dtype), kv
 
 
 __all__ = ["DenseAttention", "PoolingMetadata"]

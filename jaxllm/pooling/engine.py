@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.processor import PromptInput
+from jaxllm.kernels.linear_methods import select_linear_method
 from jaxllm.models.dtype import DTYPES
 from jaxllm.models.resolve import DEFAULT_POOLING_MODEL, resolve_model
 from jaxllm.models.weights import iter_hf_dir_tensors, load_params, read_json
@@ -48,6 +49,10 @@ class PoolingEngine:
     runner_type = "pooling"
 
     def __init__(self, config: EngineConfig):
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
+            if getattr(config, name) != 1:
+                raise ValueError(f"{name}={getattr(config, name)}: pooling models run on one "
+                                 f"device; {name} must be 1")
         resolved = resolve_model(config.model or DEFAULT_POOLING_MODEL)
         if resolved.kind != "hf_dir":
             raise ValueError(f"pooling models load from Hugging Face directories; "
@@ -66,8 +71,11 @@ class PoolingEngine:
         self.config = config = self._limits(config, resolved.path, mcfg)
         self.scheduler = PoolingScheduler(config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = PoolingRunner(
-            self.model, make_pooler(self.pooler_config), causal=not getattr(self.model, "bidirectional", False),
+            self.model, make_pooler(self.pooler_config),
+            causal=not getattr(self.model, "bidirectional", False),
+            linear_method=select_linear_method(config.linear_backend, dtype),
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager)
         self._ids = itertools.count()
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.kernels.linear_methods import get_linear_method
+from jaxllm.kernels.linear_methods import LinearMethod
 from jaxllm.models.parallel import ParallelOps
 from jaxllm.pooling.attention import DenseAttention, PoolingMetadata
 from jaxllm.runner.buckets import BucketConfig
@@ -44,10 +44,12 @@ class PoolingInput:
     token_type_ids: tuple[int, ...] | None = None
 
 
-def make_pooling_step(graphdef, pooler, causal: bool):
+def make_pooling_step(graphdef, pooler, causal: bool, linear_method: LinearMethod,
+                      tile: int | None = None):
     """The jitted step: (state, md) -> float32 [S, O]. Static: the model's graph, the pooler,
-    bidirectional or causal attention."""
-    ops = ParallelOps(DenseAttention(causal), get_linear_method("xla"))
+    bidirectional or causal attention and its tile (attention.py), the linear method the
+    weights were processed for."""
+    ops = ParallelOps(DenseAttention(causal, tile), linear_method)
 
     @jax.jit
     def step(state, md: PoolingMetadata):
@@ -61,14 +63,25 @@ def make_pooling_step(graphdef, pooler, causal: bool):
     return step
 
 
+def process_weights_after_loading(model, method: LinearMethod) -> None:
+    """Every dense weight in the form `method` multiplies (the C++ GEMM's packed panels on
+    CPU), once; embedding tables stay as loaded (a pooling model has no LM head)."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.Linear):
+            module.kernel = nnx.Param(method.process_weights_after_loading(module.kernel[...]))
+
+
 class PoolingRunner:
-    def __init__(self, model, pooler, *, causal: bool, max_num_batched_tokens: int,
-                 max_num_seqs: int, enforce_eager: bool = False):
+    def __init__(self, model, pooler, *, causal: bool, linear_method: LinearMethod,
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 enforce_eager: bool = False):
+        process_weights_after_loading(model, linear_method)
         self.graphdef, self.state = nnx.split(model)
         self.buckets = BucketConfig.create(max_num_batched_tokens, max_num_seqs, 1, False,
                                            min_tokens=min(MIN_TOKEN_BUCKET,
                                                           max_num_batched_tokens))
-        self._step = make_pooling_step(self.graphdef, pooler, causal)
+        tile = 1 << (max_model_len - 1).bit_length()  # a power of two >= max_model_len
+        self._step = make_pooling_step(self.graphdef, pooler, causal, linear_method, tile)
         self.num_compiles = 0
         self._compiled: dict[int, object] = {}
         if not enforce_eager:

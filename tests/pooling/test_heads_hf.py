@@ -4,7 +4,7 @@ score with sigmoid), Qwen3ForSequenceClassification (last-token pooling, softmax
 Qwen3ForCausalLM with convert="embed" (last-token pooling, normalized).
 
 The models borrow the packaged MiniLM's BERT tokenizer (vocab 30522). Each engine serves
-prompts of at most 32 tokens in buckets 16 and 32.
+prompts of at most 32 tokens in buckets 16..128 (tiled attention at 128).
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ TEXTS = ["a cat sat on the mat", "rain again today", "the quick brown fox jumps 
          "ok"]
 QUERIES = ["what is the weather", "what is the weather", "who sat on the mat"]
 DOCS = ["rain again today", "the quick brown fox", "a cat sat on the mat"]
-LIMITS = dict(max_model_len=32, max_num_batched_tokens=32, max_num_seqs=8, dtype="float32")
+LIMITS = dict(max_model_len=32, max_num_batched_tokens=128, max_num_seqs=32, dtype="float32",
+              enforce_eager=True)  # compiles only the buckets a test uses
+# Enough prompts to fill 128-row steps: their attention runs in tiles of 32 rows.
+MANY = [f"{t} {i}" for i in range(8) for t in TEXTS]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -59,10 +62,10 @@ def test_bert_classifier_softmax(tmp_path):
     hf = tiny_hf_model("BertConfig", "BertForSequenceClassification", 1, num_labels=3, **BERT)
     path = save(hf, tmp_path)
     llm = LLM(path, **LIMITS)
-    outs = llm.classify(TEXTS)
+    outs = llm.classify(MANY)
     assert all(isinstance(o, ClassificationRequestOutput) for o in outs)
     tok = tokenizer(path)
-    for text, out in zip(TEXTS, outs):
+    for text, out in zip(MANY, outs):
         logits = hf_logits(hf, tok, text)
         ref = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
         np.testing.assert_allclose(out.outputs.probs, ref, atol=1e-4, rtol=0)
@@ -103,14 +106,14 @@ def test_qwen3_causal_lm_converted_to_embeddings(tmp_path):
 
     hf = tiny_hf_model("Qwen3Config", "Qwen3ForCausalLM", 4, **QWEN3)
     path = save(hf, tmp_path)
-    generative = LLM(path, enforce_eager=True, **LIMITS)
+    generative = LLM(path, **LIMITS)
     with pytest.raises(ValueError, match=r"LLM.embed\(\) is only supported for pooling"):
         generative.embed(TEXTS)
     del generative
     llm = LLM(path, convert="embed", **LIMITS)
     assert llm.llm_engine.pooler_config.pooling_type == "LAST"
     tok = tokenizer(path)
-    for text, out in zip(TEXTS, llm.embed(TEXTS)):
+    for text, out in zip(MANY, llm.embed(MANY)):
         with torch.no_grad():
             last = hf.model(**tok(text, return_tensors="pt")).last_hidden_state[0, -1]
         ref = last.double().numpy() / np.linalg.norm(last.double().numpy())
