@@ -56,7 +56,8 @@ class DenseAttention:
         group = N // k_TKH.shape[1]
         k_TNH = jnp.repeat(k_TKH, group, axis=1)
         v_TNH = jnp.repeat(v_TKH, group, axis=1)
-        B = self.tile if self.tile is not None and T >= 4 * self.tile else T
+        tiled = self.tile is not None and T >= 4 * self.tile and T % self.tile == 0
+        B = self.tile if tiled else T  # (a budget that is no power of two: untiled at its top)
         G = T // B  # G tiles of B query rows, each scoring C = 3B keys (C = T untiled)
 
         def keys(x, fill):  # [T, ...] -> [G, C, ...]: each tile's neighbourhood

@@ -59,6 +59,9 @@ def test_embeddings_equal_sentence_transformers(llm, st_model):
     ids = [o.prompt_token_ids for o in outs[:3]]
     again = llm.embed(ids)
     np.testing.assert_allclose([o.outputs.embedding for o in again], ours[:3], atol=1e-6)
+    # Every bucket was compiled at start-up, and serving compiled nothing more.
+    runner = llm.llm_engine.runner
+    assert runner.num_compiles == len(runner.buckets.token_buckets) == 5
 
 
 def test_normalize_off_is_the_mean_pooled_row(llm, st_model):
