@@ -154,23 +154,23 @@ class LLM:
         """-> list[PoolingRequestOutput]: the pooled row of each prompt (str, token ids, or
         lists of them, as generate takes)."""
         self._require("pooling", "LLM.encode()")
-        return pooling.encode(self.llm_engine, prompts, pooling_params, pooling_task)
+        return pooling.encode(self.llm_engine, prompts, pooling_params, pooling_task, use_tqdm)
 
     def embed(self, prompts, *, pooling_params=None, use_tqdm: bool = True):
         """-> list[EmbeddingRequestOutput], in input order."""
         self._require("pooling", "LLM.embed()")
-        return pooling.embed(self.llm_engine, prompts, pooling_params)
+        return pooling.embed(self.llm_engine, prompts, pooling_params, use_tqdm)
 
     def classify(self, prompts, *, pooling_params=None, use_tqdm: bool = True):
         """-> list[ClassificationRequestOutput] (probabilities, unless use_activation=False)."""
         self._require("pooling", "LLM.classify()")
-        return pooling.classify(self.llm_engine, prompts, pooling_params)
+        return pooling.classify(self.llm_engine, prompts, pooling_params, use_tqdm)
 
     def score(self, data_1, data_2, /, *, pooling_params=None, use_tqdm: bool = True):
         """-> list[ScoringRequestOutput] for the pairs 1:1, 1:N or N:N: a cross-encoder's
         score of each text pair, or an embedding model's cosine similarity."""
         self._require("pooling", "LLM.score()")
-        return pooling.score(self.llm_engine, data_1, data_2, pooling_params)
+        return pooling.score(self.llm_engine, data_1, data_2, pooling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams],
              use_tqdm: bool, priority: Sequence[int] | None = None) -> list[RequestOutput]:

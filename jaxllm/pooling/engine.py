@@ -19,6 +19,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.processor import PromptInput
@@ -130,7 +131,7 @@ class PoolingEngine:
         return ids, (list(types) if self.uses_token_types else None)
 
     def encode(self, prompts: list[PromptInput | TextPair], params: list[PoolingParams],
-               task: str) -> list[PoolingRequestOutput]:
+               task: str, use_tqdm: bool = False) -> list[PoolingRequestOutput]:
         """Pool every prompt; outputs in input order. All are checked before any runs."""
         if not prompts:
             raise ValueError("You must pass at least one prompt")
@@ -143,13 +144,18 @@ class PoolingEngine:
         for request in requests:
             self.scheduler.add_request(request)
         done: dict[str, PoolingRequestOutput] = {}
+        bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm)
         try:
             while self.scheduler.has_unfinished_requests():
                 for out in self.step():
                     done[out.request_id] = out
+                    bar.update(1)
         except BaseException:
             self.scheduler.waiting.clear()
             raise
+        finally:
+            bar.close()
         return [done[r.request_id] for r in requests]
 
     def step(self) -> list[PoolingRequestOutput]:

@@ -52,21 +52,23 @@ def broadcast_pooling_params(params, n: int) -> list[PoolingParams]:
     return list(params)
 
 
-def encode(engine: PoolingEngine, prompts, pooling_params=None,
-           task: str = "encode") -> list[PoolingRequestOutput]:
+def encode(engine: PoolingEngine, prompts, pooling_params=None, task: str = "encode",
+           use_tqdm: bool = False) -> list[PoolingRequestOutput]:
     parsed = parse_pooling_prompts(prompts)
-    return engine.encode(parsed, broadcast_pooling_params(pooling_params, len(parsed)), task)
+    return engine.encode(parsed, broadcast_pooling_params(pooling_params, len(parsed)), task,
+                         use_tqdm)
 
 
-def embed(engine: PoolingEngine, prompts, pooling_params=None) -> list[EmbeddingRequestOutput]:
+def embed(engine: PoolingEngine, prompts, pooling_params=None,
+          use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
     return [EmbeddingRequestOutput.from_base(o)
-            for o in encode(engine, prompts, pooling_params, "embed")]
+            for o in encode(engine, prompts, pooling_params, "embed", use_tqdm)]
 
 
-def classify(engine: PoolingEngine, prompts,
-             pooling_params=None) -> list[ClassificationRequestOutput]:
+def classify(engine: PoolingEngine, prompts, pooling_params=None,
+             use_tqdm: bool = False) -> list[ClassificationRequestOutput]:
     return [ClassificationRequestOutput.from_base(o)
-            for o in encode(engine, prompts, pooling_params, "classify")]
+            for o in encode(engine, prompts, pooling_params, "classify", use_tqdm)]
 
 
 def _score_side(data, name: str) -> list:
@@ -90,8 +92,8 @@ def pair_up(data_1, data_2) -> tuple[list, list]:
     return one, two
 
 
-def score(engine: PoolingEngine, data_1, data_2,
-          pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+def score(engine: PoolingEngine, data_1, data_2, pooling_params: PoolingParams | None = None,
+          use_tqdm: bool = False) -> list[ScoringRequestOutput]:
     one, two = pair_up(data_1, data_2)
     params = pooling_params or PoolingParams()
     cfg = engine.pooler_config
@@ -104,11 +106,11 @@ def score(engine: PoolingEngine, data_1, data_2,
                 raise ValueError("a cross-encoder scores text pairs: data_1 and data_2 must "
                                  "be strings")
             pairs.append(TextPair(a, b))
-        outs = engine.encode(pairs, [params] * len(pairs), "classify")
+        outs = engine.encode(pairs, [params] * len(pairs), "classify", use_tqdm)
         return [ScoringRequestOutput.from_base(o) for o in outs]
     # An embedding model: cosine similarity of the two sides' embeddings (each embedded once
     # per occurrence, as vLLM does).
-    embs = encode(engine, one + two, params, "embed")
+    embs = encode(engine, one + two, params, "embed", use_tqdm)
     out = []
     for e1, e2 in zip(embs[:len(one)], embs[len(one):]):
         a, b = e1.outputs.data, e2.outputs.data

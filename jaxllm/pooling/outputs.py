@@ -67,20 +67,30 @@ class ScoringOutput:
         return ScoringOutput(float(output.data.reshape(-1)[0]))
 
 
-def _typed(name: str, kind):
-    def from_base(request_output: PoolingRequestOutput):
-        return cls(request_output.request_id, kind.from_base(request_output.outputs),
-                   request_output.prompt_token_ids, request_output.num_cached_tokens,
-                   request_output.finished)
-
-    cls = type(name, (PoolingRequestOutput,), {"from_base": staticmethod(from_base),
-                                                "__module__": __name__})
-    return cls
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return EmbeddingRequestOutput(**_fields(request_output, EmbeddingOutput))
 
 
-EmbeddingRequestOutput = _typed("EmbeddingRequestOutput", EmbeddingOutput)
-ClassificationRequestOutput = _typed("ClassificationRequestOutput", ClassificationOutput)
-ScoringRequestOutput = _typed("ScoringRequestOutput", ScoringOutput)
+class ClassificationRequestOutput(PoolingRequestOutput):
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return ClassificationRequestOutput(**_fields(request_output, ClassificationOutput))
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> "ScoringRequestOutput":
+        return ScoringRequestOutput(**_fields(request_output, ScoringOutput))
+
+
+def _fields(request_output: PoolingRequestOutput, kind) -> dict:
+    """The request output's fields, its PoolingOutput read as `kind`."""
+    fields = {f.name: getattr(request_output, f.name)
+              for f in dataclasses.fields(PoolingRequestOutput)}
+    return dict(fields, outputs=kind.from_base(request_output.outputs))
+
 
 __all__ = ["ClassificationOutput", "ClassificationRequestOutput", "EmbeddingOutput",
            "EmbeddingRequestOutput", "PoolingOutput", "PoolingRequestOutput", "ScoringOutput",

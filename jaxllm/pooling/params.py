@@ -34,6 +34,9 @@ class PoolingParams:
                               or (k < 1 and k != -1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 or an int >= 1, got {k!r}")
 
+    def clone(self) -> "PoolingParams":
+        return dataclasses.replace(self)
+
     def applies_activation(self) -> bool:
         for value in (self.use_activation, self.activation, self.softmax):
             if value is not None:
