@@ -14,12 +14,13 @@ H head dim, G tiles of B rows, C keys a tile's queries score.
     a row of `b` sees the two `b` columns only; padding rows see padding only (never NaN).
 
 Tiles. Scores over the whole step cost T * T per head where the prompts need only the sum of
-their squares; in a large step (T >= 4 tiles) the rows are cut into tiles of B >= max_model_len
-rows, and a tile's queries score only the keys of the tiles before, at and after it: no prompt
-is longer than B, so none spans more than two neighbouring tiles (3 * B * T scores).
+their squares. So the rows are cut into tiles of B, and a tile's queries score only the keys
+of the r tiles on either side and its own: no prompt is longer than L = max_model_len, so two
+rows of one prompt are at most L - 1 apart, and r = ceil((L - 1) / B) tiles reach every key
+(C = (2r + 1) * B keys per query instead of T). `Tiling.for_max_model_len` picks the B that
+makes C smallest; a step runs tiled only where C < T.
 
-    tiles of B rows:   |  t0  |  t1  |  t2  |  t3  |      queries of t2 score keys t1 t2 t3
-    a prompt may start in t1 and end in t2: all its keys are there
+    B = 32, L = 64 (r = 2):  | t0 | t1 | t2 | t3 | t4 | t5 |   queries of t3 score t1 .. t5
 """
 
 from __future__ import annotations
@@ -42,12 +43,38 @@ class PoolingMetadata:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tiling:
+    """B rows per tile, r tiles reached on either side (static: part of the step)."""
+
+    tile: int
+    reach: int
+
+    @classmethod
+    def for_max_model_len(cls, max_model_len: int, smallest: int = 32) -> "Tiling":
+        """The power-of-two B >= `smallest` (thinner tiles multiply poorly on a CPU) with the
+        fewest keys per query, C = (2r + 1) * B; of equals, the larger B."""
+        best = None
+        B = smallest
+        while True:
+            reach = max(1, -(-(max_model_len - 1) // B))
+            keys = (2 * reach + 1) * B
+            if best is None or keys <= best[0]:
+                best = (keys, cls(B, reach))
+            if B >= max_model_len:
+                return best[1]
+            B *= 2
+
+    def keys_per_query(self) -> int:
+        return (2 * self.reach + 1) * self.tile
+
+
+@dataclasses.dataclass(frozen=True)
 class DenseAttention:
     """`ops.attention` of a pooling step (models/parallel.py ParallelOps): bidirectional for
     encoders, causal for a decoder used as an embedding or classification model."""
 
     causal: bool
-    tile: int | None = None  # B, a power of two >= max_model_len; None: never tiled
+    tiling: Tiling | None = None  # None: never tiled
     mesh = None  # one device: ParallelOps runs its plain, unsharded ops
 
     def __call__(self, q_TNH, k_TKH, v_TKH, kv, md: PoolingMetadata, *, sm_scale: float,
@@ -56,17 +83,19 @@ class DenseAttention:
         group = N // k_TKH.shape[1]
         k_TNH = jnp.repeat(k_TKH, group, axis=1)
         v_TNH = jnp.repeat(v_TKH, group, axis=1)
-        tiled = self.tile is not None and T >= 4 * self.tile and T % self.tile == 0
-        B = self.tile if tiled else T  # (a budget that is no power of two: untiled at its top)
-        G = T // B  # G tiles of B query rows, each scoring C = 3B keys (C = T untiled)
+        t = self.tiling
+        # (a budget that is no power of two runs its top bucket untiled)
+        tiled = t is not None and t.keys_per_query() < T and T % t.tile == 0
+        B, r = (t.tile, t.reach) if tiled else (T, 0)
+        G = T // B  # G tiles of B query rows, each scoring C = (2r + 1) * B keys
 
         def keys(x, fill):  # [T, ...] -> [G, C, ...]: each tile's neighbourhood
             if G == 1:
                 return x[None]
-            pad = jnp.full((B,) + x.shape[1:], fill, x.dtype)
+            pad = jnp.full((r * B,) + x.shape[1:], fill, x.dtype)
             xp = jnp.concatenate([pad, x, pad])
             return jnp.concatenate([xp[i * B:(i + G) * B].reshape((G, B) + x.shape[1:])
-                                    for i in range(3)], axis=1)
+                                    for i in range(2 * r + 1)], axis=1)
 
         q_GBNH = q_TNH.reshape(G, B, N, H)
         # float32 scores and softmax whatever the weights' dtype (HF's eager attention too).
@@ -87,4 +116,4 @@ class DenseAttention:
         return o_GBNH.reshape(T, N, H).astype(q_TNH.dtype), kv
 
 
-__all__ = ["DenseAttention", "PoolingMetadata"]
+__all__ = ["DenseAttention", "PoolingMetadata", "Tiling"]

@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxllm.kernels.linear_methods import LinearMethod
 from jaxllm.models.parallel import ParallelOps
-from jaxllm.pooling.attention import DenseAttention, PoolingMetadata
+from jaxllm.pooling.attention import DenseAttention, PoolingMetadata, Tiling
 from jaxllm.runner.buckets import BucketConfig
 
 logger = logging.getLogger(__name__)
@@ -45,11 +45,11 @@ class PoolingInput:
 
 
 def make_pooling_step(graphdef, pooler, causal: bool, linear_method: LinearMethod,
-                      tile: int | None = None):
+                      tiling: Tiling | None = None):
     """The jitted step: (state, md) -> float32 [S, O]. Static: the model's graph, the pooler,
     bidirectional or causal attention and its tile (attention.py), the linear method the
     weights were processed for."""
-    ops = ParallelOps(DenseAttention(causal, tile), linear_method)
+    ops = ParallelOps(DenseAttention(causal, tiling), linear_method)
 
     @jax.jit
     def step(state, md: PoolingMetadata):
@@ -80,8 +80,8 @@ class PoolingRunner:
         self.buckets = BucketConfig.create(max_num_batched_tokens, max_num_seqs, 1, False,
                                            min_tokens=min(MIN_TOKEN_BUCKET,
                                                           max_num_batched_tokens))
-        tile = 1 << (max_model_len - 1).bit_length()  # a power of two >= max_model_len
-        self._step = make_pooling_step(self.graphdef, pooler, causal, linear_method, tile)
+        self._step = make_pooling_step(self.graphdef, pooler, causal, linear_method,
+                                       Tiling.for_max_model_len(max_model_len))
         self.num_compiles = 0
         self._compiled: dict[int, object] = {}
         if not enforce_eager:

@@ -4,7 +4,8 @@ score with sigmoid), Qwen3ForSequenceClassification (last-token pooling, softmax
 Qwen3ForCausalLM with convert="embed" (last-token pooling, normalized).
 
 The models borrow the packaged MiniLM's BERT tokenizer (vocab 30522). Each engine serves
-prompts of at most 32 tokens in buckets 16..128 (tiled attention at 128).
+prompts of at most 32 tokens, compiling only the buckets used (the BERT classifier fills
+128-row steps, where attention runs in tiles).
 """
 
 from __future__ import annotations
