@@ -230,7 +230,7 @@ def serve(argv: list[str]) -> None:
     for note in server["notes"]:
         logging.getLogger("jaxllm.serve").info("%s", note)
     names = server["served_model_name"] or [config.model or DEFAULT_MODEL]
-    app = _pooling_app(config, server["served_model_name"]) or build_app(
+    app = _pooling_app(config, server) or build_app(
         AsyncLLM(config, use_tqdm=True), served_model_names=names, api_key=server["api_key"],
         chat_template=_chat_template(server["chat_template"]),
         trust_request_chat_template=server["trust_request_chat_template"],
@@ -259,9 +259,10 @@ def serve(argv: list[str]) -> None:
                 **{k: server[k] for k in ("h11_max_incomplete_event_size",) if k in server})
 
 
-def _pooling_app(config, served_model_name):
+def _pooling_app(config, server: dict):
     """The pooling server's app when the model is a pooling one (vLLM's runner "auto" reads
-    the checkpoint's architecture; --runner pooling / --convert ask for it), else None."""
+    the checkpoint's architecture; --runner pooling / --convert ask for it), else None. Of
+    the server's flags it reads the names and API keys; the rest are the generative app's."""
     from jaxllm.pooling.config import wants_pooling_runner
 
     if not wants_pooling_runner(config.model, config.runner, config.convert):
@@ -270,8 +271,9 @@ def _pooling_app(config, served_model_name):
     from jaxllm.models.resolve import DEFAULT_POOLING_MODEL
     from jaxllm.pooling.engine import PoolingEngine
 
-    names = served_model_name or [config.model or DEFAULT_POOLING_MODEL]
-    return build_pooling_app(PoolingEngine(config), served_model_names=names)
+    names = server["served_model_name"] or [config.model or DEFAULT_POOLING_MODEL]
+    return build_pooling_app(PoolingEngine(config), served_model_names=names,
+                             api_key=server["api_key"])
 
 
 def _log_to_stderr() -> None:

@@ -89,6 +89,14 @@ def test_bad_requests_are_400_with_openai_error_json(app, body, message):
     assert message in error["message"]
 
 
+def test_api_key(minilm):
+    locked = build_pooling_app(minilm.llm_engine, served_model_names=["m"], api_key="k")
+    assert post(locked, "/v1/embeddings", {"input": "hi"}).status_code == 401
+    ok = call(locked, lambda http: http.post("/v1/embeddings", json={"input": "hi"},
+                                             headers={"authorization": "Bearer k"}))
+    assert ok.status_code == 200
+
+
 def test_truncation_and_unknown_model(app):
     ok = post(app, "/v1/embeddings", {"input": " ".join(["word"] * 200),
                                       "truncate_prompt_tokens": 16})

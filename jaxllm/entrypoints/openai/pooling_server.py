@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import threading
 import time
 import uuid
 from typing import Literal
 
 import numpy as np
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict
 
@@ -92,8 +93,11 @@ def _usage(outputs) -> dict:
     return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
 
 
-def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str]) -> FastAPI:
+def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str],
+                      api_key: str | list[str] | None = None) -> FastAPI:
+    """api_key: one key or several; routes under /v1 then need one (as the generative app)."""
     app = FastAPI(title="jaxllm", version=jaxllm.__version__)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     lock = threading.Lock()
     labels = engine.labels
 
@@ -112,7 +116,17 @@ def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str]) -
     async def _api_error(request, exc: APIError):
         return error_response(exc.status, exc.message, exc.type, exc.param)
 
-    app.add_middleware(InternalErrors)
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_keys and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not any([hmac.compare_digest(given, f"Bearer {key}".encode())
+                        for key in api_keys]):
+                return error_response(401, "Unauthorized: a valid API key is required",
+                                      "authentication_error")
+        return await call_next(request)
+
+    app.add_middleware(InternalErrors)  # added last: the outermost
 
     def model_name(requested: str | None) -> str:
         if requested is None:
