@@ -15,6 +15,12 @@ _LAZY = {
     "AsyncLLMEngine": ("jaxllm.async_llm", "AsyncLLMEngine"),
     "AsyncEngineArgs": ("jaxllm.async_llm", "AsyncEngineArgs"),
     "BeamSearchParams": ("jaxllm.beam_search", "BeamSearchParams"),
+    # Pooling models (jaxllm/pooling/).
+    "PoolingParams": ("jaxllm.pooling.params", "PoolingParams"),
+    **{name: ("jaxllm.pooling.outputs", name) for name in (
+        "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+        "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
+        "ScoringRequestOutput")},
 }
 
 
@@ -28,5 +34,8 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "SamplingParams",
-           "StructuredOutputsParams", "BeamSearchParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
+           "StructuredOutputsParams", "BeamSearchParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob",
+           "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
+           "ScoringOutput", "ScoringRequestOutput"]
 __version__ = "0.1.0"

@@ -25,6 +25,8 @@ from jaxllm.structured_outputs import StructuredOutputsConfig
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 29
 CPU_DEFAULT_MAX_MODEL_LEN = 2048
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
+CONVERTS = ("auto", "none", "embed", "classify")  # vLLM's --convert (a subset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +86,17 @@ class EngineConfig:
     # Which backend compiles grammars and fills their token masks (a StructuredOutputsConfig
     # or a dict of its fields, e.g. {"backend": "guidance"}; None: the default, "auto").
     structured_outputs_config: StructuredOutputsConfig | None = None
+    # Pooling (jaxllm/pooling/): vLLM's runner "auto" | "generate" | "pooling" ("auto": what
+    # the checkpoint's architecture is) and convert "auto" | "none" | "embed" | "classify"
+    # (a causal LM served as an embedding or classification model).
+    runner: str = "auto"
+    convert: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {CONVERTS}, got {self.convert!r}")
         so = self.structured_outputs_config
         if so is None or isinstance(so, dict):
             if isinstance(so, dict) and set(so) - {"backend"}:

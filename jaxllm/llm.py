@@ -21,6 +21,9 @@ from jaxllm.config import EngineConfig
 from jaxllm.engine.processor import PromptInput, broadcast_params, parse_prompts
 from jaxllm.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
+from jaxllm.pooling import offline as pooling
+from jaxllm.pooling.config import runner_and_convert, wants_pooling_runner
+from jaxllm.pooling.engine import PoolingEngine
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -34,7 +37,10 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: int | None = None, enforce_eager: bool = False,
                  use_tqdm_on_load: bool = True, disable_log_stats: bool = True,
-                 **kwargs: Any):
+                 task: str | None = None, **kwargs: Any):
+        # Pooling models (jaxllm/pooling/): vLLM's runner/convert, and task as their alias.
+        kwargs["runner"], kwargs["convert"] = runner_and_convert(
+            task, kwargs.get("runner", "auto"), kwargs.get("convert", "auto"))
         unknown = set(kwargs) - _CONFIG_FIELDS
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(unknown)}")
@@ -51,6 +57,11 @@ class LLM:
             raise ValueError(f"LLM(...) runs one engine; data_parallel_size="
                              f"{config.data_parallel_size} is served by AsyncLLM and "
                              "`jaxllm serve --data-parallel-size N`")
+        if wants_pooling_runner(config.model, config.runner, config.convert):
+            self.runner_type = "pooling"
+            self.llm_engine = PoolingEngine(config)
+            return
+        self.runner_type = "generate"
         self.llm_engine = LLMEngine(config, use_tqdm=use_tqdm_on_load)
 
     def get_tokenizer(self):
@@ -93,6 +104,7 @@ class LLM:
         those. The older keyword form `prompt_token_ids=[[...], ...]` is accepted too.
         priority: one int for every prompt, or one per prompt; lower is served first; needs
         scheduling_policy="priority" unless all are 0."""
+        self._require("generate", "LLM.generate()")
         if isinstance(sampling_params, BeamSearchParams):
             if prompt_token_ids is not None or priority is not None:
                 raise ValueError("beam search takes prompts only (no prompt_token_ids= or "
@@ -106,6 +118,7 @@ class LLM:
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's beam search: one BeamSearchOutput per prompt, its beams best first
         (jaxllm/beam_search.py). Beams share KV blocks through the prefix cache."""
+        self._require("generate", "LLM.beam_search()")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         return beam_search(self, prompts, params)
@@ -119,11 +132,45 @@ class LLM:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
         tools: OpenAI's tool definitions, given to the chat template as `tools`. priority: as
         generate's, one int or one per conversation."""
+        self._require("generate", "LLM.chat()")
         prompts = self.llm_engine.processor.render_chat(
             messages, chat_template, add_generation_prompt, continue_final_message,
             chat_template_kwargs, tools)
         return self._run(prompts, broadcast_params(sampling_params, len(prompts)), use_tqdm,
                          _priorities(priority, len(prompts)))
+
+    # ---- pooling (jaxllm/pooling/offline.py) ---------------------------------------------
+
+    def _require(self, runner: str, what: str) -> None:
+        """vLLM's refusal of a method the model's runner does not serve."""
+        if self.runner_type == runner:
+            return
+        kind = "generative" if runner == "generate" else "pooling"
+        raise ValueError(f"{what} is only supported for {kind} models. Try passing "
+                         f"`--runner {runner}` to use the model as a {kind} model.")
+
+    def encode(self, prompts, pooling_params=None, use_tqdm: bool = True, *,
+               pooling_task: str = "encode"):
+        """-> list[PoolingRequestOutput]: the pooled row of each prompt (str, token ids, or
+        lists of them, as generate takes)."""
+        self._require("pooling", "LLM.encode()")
+        return pooling.encode(self.llm_engine, prompts, pooling_params, pooling_task, use_tqdm)
+
+    def embed(self, prompts, *, pooling_params=None, use_tqdm: bool = True):
+        """-> list[EmbeddingRequestOutput], in input order."""
+        self._require("pooling", "LLM.embed()")
+        return pooling.embed(self.llm_engine, prompts, pooling_params, use_tqdm)
+
+    def classify(self, prompts, *, pooling_params=None, use_tqdm: bool = True):
+        """-> list[ClassificationRequestOutput] (probabilities, unless use_activation=False)."""
+        self._require("pooling", "LLM.classify()")
+        return pooling.classify(self.llm_engine, prompts, pooling_params, use_tqdm)
+
+    def score(self, data_1, data_2, /, *, pooling_params=None, use_tqdm: bool = True):
+        """-> list[ScoringRequestOutput] for the pairs 1:1, 1:N or N:N: a cross-encoder's
+        score of each text pair, or an embedding model's cosine similarity."""
+        self._require("pooling", "LLM.score()")
+        return pooling.score(self.llm_engine, data_1, data_2, pooling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams],
              use_tqdm: bool, priority: Sequence[int] | None = None) -> list[RequestOutput]:

@@ -229,15 +229,15 @@ def serve(argv: list[str]) -> None:
         return
     for note in server["notes"]:
         logging.getLogger("jaxllm.serve").info("%s", note)
-    engine = AsyncLLM(config, use_tqdm=True)
     names = server["served_model_name"] or [config.model or DEFAULT_MODEL]
-    app = build_app(engine, served_model_names=names, api_key=server["api_key"],
-                    chat_template=_chat_template(server["chat_template"]),
-                    trust_request_chat_template=server["trust_request_chat_template"],
-                    max_completion_prompts=server["max_completion_prompts"],
-                    enable_auto_tools=server["enable_auto_tool_choice"],
-                    tool_parser=server["tool_call_parser"],
-                    frontend=FrontendOptions.from_settings(server))
+    app = _pooling_app(config, server) or build_app(
+        AsyncLLM(config, use_tqdm=True), served_model_names=names, api_key=server["api_key"],
+        chat_template=_chat_template(server["chat_template"]),
+        trust_request_chat_template=server["trust_request_chat_template"],
+        max_completion_prompts=server["max_completion_prompts"],
+        enable_auto_tools=server["enable_auto_tool_choice"],
+        tool_parser=server["tool_call_parser"],
+        frontend=FrontendOptions.from_settings(server))
     # What startup built (weights, compiled steps, tokenizer: a large heap that lives as
     # long as the server) leaves the collector's view: otherwise every oldest-generation
     # collection walks all of it, a pause of hundreds of milliseconds on the event loop
@@ -257,6 +257,23 @@ def serve(argv: list[str]) -> None:
                 ssl_cert_reqs=server["ssl_cert_reqs"],
                 **({"ssl_ciphers": server["ssl_ciphers"]} if server["ssl_ciphers"] else {}),
                 **{k: server[k] for k in ("h11_max_incomplete_event_size",) if k in server})
+
+
+def _pooling_app(config, server: dict):
+    """The pooling server's app when the model is a pooling one (vLLM's runner "auto" reads
+    the checkpoint's architecture; --runner pooling / --convert ask for it), else None. Of
+    the server's flags it reads the names and API keys; the rest are the generative app's."""
+    from jaxllm.pooling.config import wants_pooling_runner
+
+    if not wants_pooling_runner(config.model, config.runner, config.convert):
+        return None
+    from jaxllm.entrypoints.openai.pooling_server import build_pooling_app
+    from jaxllm.models.resolve import DEFAULT_POOLING_MODEL
+    from jaxllm.pooling.engine import PoolingEngine
+
+    names = server["served_model_name"] or [config.model or DEFAULT_POOLING_MODEL]
+    return build_pooling_app(PoolingEngine(config), served_model_names=names,
+                             api_key=server["api_key"])
 
 
 def _log_to_stderr() -> None:

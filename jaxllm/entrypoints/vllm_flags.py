@@ -100,8 +100,8 @@ _TABLE = """
 --enable-flash-late-interaction,--no-enable-flash-late-interaction bool  noop          pooling models are not served
 [ModelConfig]
 --model                                      value impl
---runner                                     value only=auto     jaxllm runs generative models only
---convert                                    value only=auto     jaxllm runs generative models only
+--runner                                     value impl
+--convert                                    value impl
 --tokenizer                                  value impl
 --tokenizer-mode                             value only=auto     jaxllm uses the model's Hugging Face tokenizer
 --trust-remote-code,--no-trust-remote-code   bool  noop          jaxllm never runs a model repository's code

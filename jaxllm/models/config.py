@@ -118,6 +118,9 @@ class ModelConfig:
     # in the Llama family every layer uses it (a family with a per-layer pattern applies it to
     # its sliding layers). None: full causal attention.
     sliding_window: int | None = None
+    # Pooling models (jaxllm/pooling/): BERT's token-type table, a classifier's output rows.
+    type_vocab_size: int = 0
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -68,6 +68,23 @@ def _gpt2(hf: Mapping[str, Any]) -> tuple[dict, dict]:
         attn_scale_by_inverse_layer_idx=bool(hf.get("scale_attn_by_inverse_layer_idx", False)))
 
 
+def _bert(hf: Mapping[str, Any]) -> tuple[dict, dict]:
+    """BERT (models/bert.py): post-LayerNorm, learned absolute positions, token types,
+    biases everywhere, GELU (erf)."""
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"config key 'position_embedding_type' is "
+                         f"{hf['position_embedding_type']!r}; BERT supports 'absolute'")
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):
+        raise ValueError("BERT as a decoder (is_decoder / add_cross_attention) is not supported")
+    common = dict(hf, rms_norm_eps=read_float(hf, "layer_norm_eps", 1e-12),
+                  hidden_act=hf.get("hidden_act") or "gelu", attention_bias=True,
+                  max_position_embeddings=hf.get("max_position_embeddings", 512),
+                  tie_word_embeddings=False)
+    return common, dict(norm_type="layer", position_embedding="learned", mlp_bias=True,
+                        o_proj_bias=True, do_layer_norm_before=False,
+                        type_vocab_size=optional_int(hf, "type_vocab_size") or 2)
+
+
 def _gemma(arch: str, hf: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict]:
     if arch == "Gemma3ForCausalLM" and isinstance(hf.get("text_config"), Mapping):
         # model_type "gemma3" (HF's multimodal config): the text model is in text_config.
@@ -173,6 +190,8 @@ def _moe_fields(arch: str, hf: Mapping[str, Any]) -> dict:
 _FAMILIES: dict[str, Callable[[Mapping[str, Any]], tuple[Mapping[str, Any], dict]]] = {
     "OPTForCausalLM": _opt,
     "GPT2LMHeadModel": _gpt2,
+    "BertModel": _bert,
+    "BertForSequenceClassification": _bert,
     **{arch: functools.partial(_gemma, arch) for arch in _GEMMA_DEFAULTS},
     **{arch: lambda hf, arch=arch: (hf, _moe_fields(arch, hf)) for arch in _MOE_ARCHITECTURES},
 }

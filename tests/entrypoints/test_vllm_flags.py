@@ -40,7 +40,7 @@ def test_the_table_is_vllms_parser_in_its_groups():
     assert len(names) == len(set(names))
     counts = {kind: sum(f.kind == kind for f in VLLM_FLAGS) for kind in ("impl", "noop", "only")}
     refused_always = sum(f.kind == "only" and f.accepted == "" for f in VLLM_FLAGS)
-    assert counts == {"impl": 59, "noop": 158, "only": 100}, counts
+    assert counts == {"impl": 61, "noop": 158, "only": 98}, counts
     assert refused_always == 48
 
 
@@ -89,8 +89,10 @@ def test_implemented_flags_and_vllm_spellings():
         "--no-enable-prefix-caching", "-tp", "1", "--served-model-name", "a", "b",
         "--api-key", "k1", "k2", "--enable-sleep-mode", "--shutdown-timeout", "0",
         "--return-tokens-as-token-ids", "--enable-request-id-headers",
-        "--allowed-origins", '["http://x"]', "--device-memory-utilization", "0.5"])
+        "--allowed-origins", '["http://x"]', "--device-memory-utilization", "0.5",
+        "--runner", "pooling", "--convert", "embed"])
     assert engine.enable_prefix_caching is False and engine.gpu_memory_utilization == 0.5
+    assert (engine.runner, engine.convert) == ("pooling", "embed")
     assert server["served_model_name"] == ["a", "b"] and server["api_key"] == ["k1", "k2"]
     assert (server["enable_sleep_mode"], server["shutdown_timeout"],
             server["return_tokens_as_token_ids"], server["enable_request_id_headers"],

@@ -1,0 +1,132 @@
+"""PoolingRunner: the pooling sibling of runner/model_runner.py. Scheduled whole prompts in, one
+pooled float32 row per prompt out; no KV cache, no sampler.
+
+Owns packing a step's prompts into padded device arrays (PoolingMetadata), the jitted step
+(model forward -> pooler -> the model's head, if it has one) over (graphdef, state), and its
+static shapes: the token buckets of runner/buckets.py (T powers of two up to
+max_num_batched_tokens, S = min(T, max_num_seqs)), every one compiled at start-up unless
+enforce_eager. Never sees a Request and never decides what runs (jaxllm/pooling/scheduler.py).
+
+Packed layout, T = 16, S = 16 (3 prompts):
+
+    rows       | p0: 5 tokens | p1: 3 | p2: 4 | padding 12..15 |
+    seq_ids      0 0 0 0 0      1 1 1   2 2 2 2  16 16 16 16        (S: the padding segment)
+    positions    0 1 2 3 4      0 1 2   0 1 2 3  0 0 0 0
+    qsl          0 5 8 12 12 ... 12 (S + 1 entries)
+
+Letters: T tokens, S sequences, D model dim (or C classes after a head), O the output width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.kernels.linear_methods import LinearMethod
+from jaxllm.models.parallel import ParallelOps
+from jaxllm.pooling.attention import DenseAttention, PoolingMetadata, Tiling
+from jaxllm.runner.buckets import BucketConfig
+
+logger = logging.getLogger(__name__)
+MIN_TOKEN_BUCKET = 16  # a pooled prompt has [CLS] and [SEP] at least; fewer compiles
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingInput:
+    """One scheduled prompt, as the runner needs it."""
+
+    token_ids: tuple[int, ...]
+    token_type_ids: tuple[int, ...] | None = None
+
+
+def make_pooling_step(graphdef, pooler, causal: bool, linear_method: LinearMethod,
+                      tiling: Tiling | None = None):
+    """The jitted step: (state, md) -> float32 [S, O]. Static: the model's graph, the pooler,
+    bidirectional or causal attention and its tile (attention.py), the linear method the
+    weights were processed for."""
+    ops = ParallelOps(DenseAttention(causal, tiling), linear_method)
+
+    @jax.jit
+    def step(state, md: PoolingMetadata):
+        model = nnx.merge(graphdef, state)
+        hidden_TD = model(md, ops)
+        pooled_SD = pooler(hidden_TD, md)
+        head = getattr(model, "pooling_head", None)
+        out_SO = pooled_SD if head is None else head(pooled_SD.astype(hidden_TD.dtype), ops)
+        return out_SO.astype(jnp.float32)
+
+    return step
+
+
+def process_weights_after_loading(model, method: LinearMethod) -> None:
+    """Every dense weight in the form `method` multiplies (the C++ GEMM's packed panels on
+    CPU), once; embedding tables stay as loaded (a pooling model has no LM head)."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.Linear):
+            module.kernel = nnx.Param(method.process_weights_after_loading(module.kernel[...]))
+
+
+class PoolingRunner:
+    def __init__(self, model, pooler, *, causal: bool, linear_method: LinearMethod,
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 enforce_eager: bool = False):
+        process_weights_after_loading(model, linear_method)
+        self.graphdef, self.state = nnx.split(model)
+        self.buckets = BucketConfig.create(max_num_batched_tokens, max_num_seqs, 1, False,
+                                           min_tokens=min(MIN_TOKEN_BUCKET,
+                                                          max_num_batched_tokens))
+        self._step = make_pooling_step(self.graphdef, pooler, causal, linear_method,
+                                       Tiling.for_max_model_len(max_model_len))
+        self.num_compiles = 0
+        self._compiled: dict[int, object] = {}
+        if not enforce_eager:
+            for T in self.buckets.token_buckets:
+                self._compile(T)
+
+    def _compile(self, T: int):
+        S = self.buckets.seqs_for(T)
+        md = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                          _pack([], T, S))
+        self._compiled[T] = self._step.lower(self.state, md).compile()
+        self.num_compiles += 1
+        return self._compiled[T]
+
+    def execute(self, inputs: list[PoolingInput]) -> np.ndarray:
+        """-> float32 [len(inputs), O], one pooled (and headed) row per prompt, in order."""
+        num_tokens = sum(len(p.token_ids) for p in inputs)
+        T = self.buckets.pad(num_tokens, len(inputs), 1)[0]
+        S = self.buckets.seqs_for(T)
+        fn = self._compiled.get(T) or self._compile(T)
+        out_SO = fn(self.state, _pack(inputs, T, S))
+        return np.asarray(jax.device_get(out_SO))[:len(inputs)]
+
+
+def _pack(inputs: list[PoolingInput], T: int, S: int) -> PoolingMetadata:
+    ids = np.zeros(T, np.int32)
+    types = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    seq_ids = np.full(T, S, np.int32)
+    qsl = np.zeros(S + 1, np.int32)
+    seq_lens = np.zeros(S, np.int32)
+    start = 0
+    for s, p in enumerate(inputs):
+        n = len(p.token_ids)
+        ids[start:start + n] = p.token_ids
+        if p.token_type_ids is not None:
+            types[start:start + n] = p.token_type_ids
+        positions[start:start + n] = np.arange(n)
+        seq_ids[start:start + n] = s
+        seq_lens[s] = n
+        start += n
+        qsl[s + 1] = start
+    qsl[len(inputs) + 1:] = start
+    return PoolingMetadata(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(types),
+                           jnp.asarray(seq_ids), jnp.asarray(qsl), jnp.asarray(seq_lens))
+
+
+__all__ = ["PoolingInput", "PoolingRunner", "make_pooling_step"]
