@@ -20,6 +20,7 @@ from jaxllm.kernels import ATTENTION_BACKENDS, LINEAR_BACKENDS
 from jaxllm.research.requests import ResearchConfig
 from jaxllm.sampling_params import LOGPROBS_MODES
 from jaxllm.scheduling_policy import SCHEDULING_POLICIES
+from jaxllm.spec_decode.config import SpeculativeConfig, speculative_config_of
 from jaxllm.structured_outputs import StructuredOutputsConfig
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 29
@@ -84,8 +85,17 @@ class EngineConfig:
     # Which backend compiles grammars and fills their token masks (a StructuredOutputsConfig
     # or a dict of its fields, e.g. {"backend": "guidance"}; None: the default, "auto").
     structured_outputs_config: StructuredOutputsConfig | None = None
+    # Speculative decoding (jaxllm/spec_decode/): a SpeculativeConfig or a dict of vLLM's
+    # speculative_config fields, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           speculative_config_of(self.speculative_config))
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config needs async_scheduling=False: this engine "
+                             "does not combine speculative decoding with async scheduling "
+                             "yet (pass async_scheduling=False, or --no-async-scheduling)")
         so = self.structured_outputs_config
         if so is None or isinstance(so, dict):
             if isinstance(so, dict) and set(so) - {"backend"}:

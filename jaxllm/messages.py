@@ -84,6 +84,10 @@ class SchedulerOutput:
     # request i may sample; None when no request is constrained.
     structured_output_request_ids: list[str] = dataclasses.field(default_factory=list)
     grammar_bitmask: Any = None
+    # Speculative decoding (jaxllm/spec_decode/): req_id -> the draft tokens it verifies this
+    # step, the last len(drafts) of its num_scheduled_tokens; absent: no drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(
+        default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -293,7 +293,13 @@ class ModelRunner:
         if pending is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         host, out = pending.host, pending.out
-        sampled = self.input_batch.record_sampled(host, np.asarray(out.sampled_token_ids))
+        tokens_SP, num_S = np.asarray(out.sampled_token_ids)[:, None], None
+        for feature in self.features:  # e.g. speculative verification's accepted runs
+            record = host.feature_records.get(feature.name)
+            if record is not None:
+                tokens_SP, num_S = feature.sampled_tokens(record, out.features[feature.name],
+                                                          tokens_SP, num_S)
+        sampled = self.input_batch.record_sampled(host, tokens_SP, num_S)
         n = len(host.req_ids)
         want = host.sampling.num_logprobs[:n]
         logprobs = None

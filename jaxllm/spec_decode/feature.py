@@ -1,0 +1,106 @@
+"""Speculative verification as one step feature (runner/step_features.py).
+
+Owns the device half of speculative decoding. The scheduler gives a decode row 1 + m packed
+positions: its last known token, then m <= K drafts (SchedulerOutput.
+scheduled_spec_decode_tokens; the input batch feeds them as ordinary row tokens). The
+sampler still samples at each sequence's last row, which for a drafted row is the position
+after the last draft: the bonus token. At the "sampled" point this feature computes the
+target's logits at the m positions that verify the drafts, processes them as the sampler
+does (temperature, min-p, top-k, top-p) and runs `rejection_sample`:
+
+    packed rows of one sequence:   t   d0  d1  d2        (m = 3, K = 4)
+    row predicts:                  d0  d1  d2  bonus
+    verify rows (last - m + j):    j=0 j=1 j=2           (j = 3: padding, not valid)
+
+  host    one per-slot table `spec_num_drafts` [R + 1, 1] int32 (m of the slot's request this
+          step; 0 when it joins, and the fill row for padding), sent as entries when it
+          changes; `sampled_tokens` replaces the sampler's one token per row by the accepted
+          run (the record is only kept for steps with drafts)
+  device  a `lax.cond` on "any row has drafts": a step without drafts computes nothing more
+  static  K = num_speculative_tokens: the verify logits are [S * K, V] in every bucket
+
+Rows that get drafts are only those the scheduler found eligible (spec_decode/scheduling.py:
+no penalties, bad words, allowed ids, logit bias, grammar or logprobs), so the sampler's
+other logits processors never have to run on the verify positions. Never proposes, never
+decides acceptance rules (rejection.py), never touches the token history.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.runner.device_rows import DeviceRows, entry_buckets
+from jaxllm.runner.sampler import _apply_min_p, apply_top_k_top_p
+from jaxllm.runner.step_features import StepFeature
+from jaxllm.sampling_params import SAMPLING_EPS
+from jaxllm.spec_decode.rejection import rejection_sample
+
+
+class SpecDecodeFeature(StepFeature):
+    name = "spec_decode"
+
+    def __init__(self, num_slots: int, num_speculative_tokens: int):
+        self.k = num_speculative_tokens
+        self.num_drafts = DeviceRows(num_slots, (1,), np.int32, 0,
+                                     entry_buckets=entry_buckets(num_slots))
+        self._step_has_drafts = False
+
+    def slot_rows(self) -> dict[str, DeviceRows]:
+        return {"spec_num_drafts": self.num_drafts}
+
+    def add_request(self, slot: int, new) -> None:
+        self.num_drafts.set_row(slot, 0)
+
+    def update_states(self, so, slot_of: dict[str, int]) -> None:
+        drafts = so.scheduled_spec_decode_tokens
+        for req_id in so.num_scheduled_tokens:
+            self.num_drafts.set(slot_of[req_id], 0, len(drafts.get(req_id, ())))
+        self._step_has_drafts = bool(drafts)
+
+    def prepare(self, step):
+        return True if self._step_has_drafts else None
+
+    def after_sampling(self, step, hooks) -> None:
+        K = self.k
+        bm, smd = step.bm, step.smd
+        m_S = hooks.rows["spec_num_drafts"][hooks.slot_S, 0]
+        S = m_S.shape[0]
+        T = step.input_ids_T.shape[0]
+        one_S = jnp.ones(S, jnp.int32)
+
+        def verify():
+            rows_SK = jnp.clip(bm.logits_indices_S[:, None] - m_S[:, None]
+                               + jnp.arange(K, dtype=jnp.int32)[None, :], 0, T - 1)
+            draft_SK = step.input_ids_T[jnp.minimum(rows_SK + 1, T - 1)]
+            logits_RV = step.logits_fn(step.hidden_TD[rows_SK.reshape(-1)])  # [S * K, V]
+            is_greedy_S = smd.temperature < SAMPLING_EPS
+            rep = lambda x_S: jnp.repeat(x_S, K, axis=0)  # noqa: E731
+            x_RV = logits_RV / rep(jnp.where(is_greedy_S, 1.0, smd.temperature))[:, None]
+            x_RV = _apply_min_p(x_RV, rep(smd.min_p))
+            x_RV = apply_top_k_top_p(x_RV, rep(smd.top_k), rep(smd.top_p))
+            # Greedy rows compare against the unprocessed argmax, as the sampler takes it.
+            x_RV = jnp.where(rep(is_greedy_S)[:, None], logits_RV, x_RV)
+            return rejection_sample(x_RV.reshape(S, K, -1), draft_SK, m_S, step.sampled_S,
+                                    is_greedy_S, smd.seeds, smd.steps - m_S)
+
+        def plain():
+            tokens_SP = jnp.zeros((S, K + 1), jnp.int32).at[:, 0].set(step.sampled_S)
+            return tokens_SP, one_S
+
+        hooks.recorded[self.name] = jax.lax.cond(jnp.any(m_S > 0), verify, plain)
+
+    def step_output(self, hooks):
+        return hooks.recorded.get(self.name)
+
+    def sampled_tokens(self, record, value, tokens_SP, num_S):
+        tokens_SP, num_S = jax.device_get(value)
+        return np.asarray(tokens_SP), np.asarray(num_S)
+
+
+def spec_decode_features(config, num_slots: int) -> tuple[StepFeature, ...]:
+    """The engine's verification feature for a SpeculativeConfig (none when it is None)."""
+    if config is None:
+        return ()
+    return (SpecDecodeFeature(num_slots, config.num_speculative_tokens),)

@@ -1,0 +1,153 @@
+"""The scheduler's half of speculative decoding: which running rows verify drafts this step,
+and what a verified run does to a request afterwards.
+
+Owns the proposals of the step being scheduled (req_id -> drafts), the rollback after
+verification and the acceptance counters (vLLM's spec_decode_* metrics). The scheduler
+calls it at four points and never branches on whether speculation is on (`NoSpecDecoding`
+is the same interface doing nothing):
+
+    num_new_tokens(request, n, budget)  a running row ready to decode (n == 1) may take
+                                        1 + m tokens: its last token and m <= K drafts
+    forget(request)                     its drafts leave the step (preempted, unscheduled)
+    take_scheduled()                    -> SchedulerOutput.scheduled_spec_decode_tokens
+    on_output(request, sampled)         before its tokens are appended: roll back the
+                                        rejected drafts and free blocks that held only them
+
+Token ranges of a row with 3 drafts (num_tokens 10 before the step):
+
+    scheduled:   t9 d0 d1 d2           num_computed 9 -> 13 at schedule
+    verified:    d0 accepted, d1 rejected -> sampled [d0, r1]
+    after:       num_computed 13 - 2 rejected = 11 (t9 and d0 computed); tokens 12
+
+A row gets drafts only when verifying them cannot change what its sampler would do: no
+penalties, bad words, allowed ids, logit bias, grammar, logprobs or research extras, and
+past min_tokens (the verify positions skip those processors: spec_decode/feature.py).
+Never touches a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxllm.engine.request import CACHE_SALT_KEY
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.ngram import NgramProposer
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecDecodingStats:
+    """Cumulative counters (vLLM's names without the prefix)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verified run, the bonus/recovered one included (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def may_speculate(params) -> bool:
+    """Does the request's sampling leave the verify positions plain (see the docstring)?"""
+    extra = {k for k in (params.extra_args or {}) if k != CACHE_SALT_KEY}
+    return not (params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0 or params.bad_words
+                or params.allowed_token_ids or params.logit_bias
+                or params.structured_outputs is not None or params.logprobs is not None
+                or params.logits_processors or extra)
+
+
+class NoSpecDecoding:
+    """Speculation off: every call leaves the schedule as it is."""
+
+    stats = None
+
+    def num_new_tokens(self, request, num_new_tokens: int, token_budget: int) -> int:
+        return num_new_tokens
+
+    def forget(self, request) -> None:
+        pass
+
+    def take_scheduled(self) -> dict[str, list[int]]:
+        return {}
+
+    def on_output(self, request, sampled: list[int]) -> None:
+        pass
+
+    def make_stats(self) -> SpecDecodingStats | None:
+        return None
+
+
+class SpecDecodeScheduling(NoSpecDecoding):
+    def __init__(self, config: SpeculativeConfig, kv_cache_manager, max_model_len: int):
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(self.k, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self._drafts: dict[str, list[int]] = {}  # the step being scheduled
+        self._verifying: dict[str, int] = {}  # req_id -> drafts it verifies in flight
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = np.zeros(self.k, np.int64)
+
+    def num_new_tokens(self, request, num_new_tokens: int, token_budget: int) -> int:
+        self._drafts.pop(request.request_id, None)
+        if (num_new_tokens != 1 or request.num_output_placeholders
+                or request.num_computed_tokens != request.num_tokens - 1
+                or request.num_output_tokens < request.sampling_params.min_tokens
+                or not may_speculate(request.sampling_params)):
+            return num_new_tokens
+        # The step emits up to m + 1 tokens: stay within max_tokens and max_model_len.
+        cap = min(self.k, token_budget - 1,
+                  request.max_tokens - request.num_output_tokens - 1,
+                  self.max_model_len - request.num_tokens - 1)
+        if cap <= 0:
+            return num_new_tokens
+        drafts = self.proposer.propose(np.asarray(request.all_token_ids, np.int64), cap)
+        if drafts.size == 0:
+            return num_new_tokens
+        self._drafts[request.request_id] = drafts.tolist()
+        return 1 + drafts.size
+
+    def forget(self, request) -> None:
+        self._drafts.pop(request.request_id, None)
+
+    def take_scheduled(self) -> dict[str, list[int]]:
+        drafts, self._drafts = self._drafts, {}
+        # Synchronous loop: the previous step's outputs were all folded back by now.
+        self._verifying = {req_id: len(d) for req_id, d in drafts.items()}
+        return drafts
+
+    def on_output(self, request, sampled: list[int]) -> None:
+        m = self._verifying.pop(request.request_id, 0)
+        if not m or not sampled:
+            return
+        accepted = len(sampled) - 1
+        request.num_computed_tokens -= m - accepted
+        self.kv_cache_manager.free_blocks_after(request, request.num_computed_tokens)
+        self.num_drafts += 1
+        self.num_draft_tokens += m
+        self.num_accepted_tokens += accepted
+        self.accepted_per_pos[:accepted] += 1
+
+    def make_stats(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens,
+                                 tuple(int(x) for x in self.accepted_per_pos))
+
+
+def make_spec_scheduling(config: SpeculativeConfig | None, kv_cache_manager,
+                         max_model_len: int) -> NoSpecDecoding:
+    if config is None:
+        return NoSpecDecoding()
+    return SpecDecodeScheduling(config, kv_cache_manager, max_model_len)
