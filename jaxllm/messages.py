@@ -66,6 +66,10 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]  # append to the runner's block table (often empty)
     num_computed_tokens: int
+    # Blocks the request held before new_block_ids; fewer than the runner's when blocks were
+    # given back (speculative decoding frees blocks that held only rejected drafts): the
+    # runner cuts its table to this many first. None: unchanged.
+    num_blocks_before: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -220,6 +220,10 @@ class KVCacheManager:
             blocks[i] = null
         self.block_pool.free_blocks(skipped)
 
+    def num_blocks_before(self, request: Request, num_new: int) -> int:
+        """Blocks the request held before its latest `num_new` were added."""
+        return len(self.req_to_blocks.get(request.request_id, ())) - num_new
+
     def free_blocks_after(self, request: Request, num_tokens: int) -> None:
         """Give back the request's blocks past its first `num_tokens` positions, last first
         (speculative decoding: blocks that held only rejected drafts; never cached, since

@@ -285,7 +285,10 @@ class Scheduler:
         # The messages carry the counts from before this step's tokens.
         new_reqs = [self._new_request_data(r) for r in scheduled_new]
         cached_reqs = [CachedRequestData(r.request_id, new_block_ids[r.request_id],
-                                         r.num_computed_tokens) for r in scheduled_running]
+                                         r.num_computed_tokens,
+                                         self.kv_cache_manager.num_blocks_before(
+                                             r, len(new_block_ids[r.request_id])))
+                       for r in scheduled_running]
 
         # Advance now, as if the step already ran: the next schedule() must not hand out the
         # same positions again, even before update_from_output. A request whose known (and

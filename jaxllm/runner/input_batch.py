@@ -179,6 +179,13 @@ class InputBatch:
         self._free_slots.append(slot)
         self._free_slots.sort(reverse=True)
 
+    def _cut_blocks(self, slot: int, num_blocks: int) -> None:
+        """Keep the first num_blocks (the scheduler gave the rest back); null past them."""
+        n = int(self.num_blocks[slot])
+        if num_blocks < n:
+            self.block_table.set(slot, np.arange(num_blocks, n), 0)
+            self.num_blocks[slot] = num_blocks
+
     def _append_blocks(self, slot: int, block_ids: Sequence[int]) -> None:
         if not block_ids:
             return  # most decode steps: no new block
@@ -194,6 +201,8 @@ class InputBatch:
             self.add_request(new)
         for cached in so.scheduled_cached_reqs:
             slot = self.req_id_to_slot[cached.req_id]
+            if cached.num_blocks_before is not None:
+                self._cut_blocks(slot, cached.num_blocks_before)
             self._append_blocks(slot, cached.new_block_ids)
             self.num_computed_tokens[slot] = cached.num_computed_tokens
             self._set_drafts(slot, so.scheduled_spec_decode_tokens.get(cached.req_id, ()))
