@@ -9,6 +9,7 @@ implemented; a draft `model`, EAGLE heads and the other methods are refused by n
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 METHODS = ("ngram",)
@@ -72,7 +73,14 @@ class SpeculativeConfig:
 
 
 def speculative_config_of(value) -> SpeculativeConfig | None:
-    """EngineConfig's field: None, a SpeculativeConfig or a dict of its fields."""
+    """EngineConfig's field: None, a SpeculativeConfig, a dict of its fields, or that dict
+    as JSON (`jaxllm serve --speculative-config '{...}'`, as vLLM's flag)."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}: "
+                             f"{e}") from None
     return SpeculativeConfig.from_dict(value)
