@@ -180,7 +180,8 @@ class LLMEngine:
                                                          head_dim=mcfg.head_dim,
                                                          vocab_size=mcfg.vocab_size)
                              + spec_decode_features(config.speculative_config,
-                                                    config.max_num_seqs))
+                                                    config.max_num_seqs, mcfg.vocab_size,
+                                                    config.max_logprobs))
         del model
         # The figures behind num_blocks on an accelerator (None where the config or the CPU
         # default decides). Each process reads its own devices.
@@ -201,9 +202,9 @@ class LLMEngine:
                               structured_output_manager=StructuredOutputManager(
                                   config.structured_outputs_config, self.tokenizer,
                                   mcfg.vocab_size),
-                              spec_decoding=make_spec_scheduling(config.speculative_config,
-                                                                 kv_cache_manager,
-                                                                 config.max_model_len))
+                              spec_decoding=make_spec_scheduling(
+                                  config.speculative_config, kv_cache_manager,
+                                  config.max_model_len, config.logprobs_mode))
         self.model_runner = runner
 
         def reload_state():  # sleep level 2's wake_up: the same load as above

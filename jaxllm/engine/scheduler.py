@@ -62,7 +62,7 @@ from jaxllm.engine.request_failures import FAILED, RequestFailures
 from jaxllm.engine.request_queue import create_request_queue
 from jaxllm.engine.scheduler_invariants import check_invariants
 from jaxllm.engine.structured_output import StructuredOutputManager
-from jaxllm.spec_decode.scheduling import NoSpecDecoding
+from jaxllm.spec_decode.scheduling import NoSpecDecoding, rows_for
 from jaxllm.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -385,7 +385,8 @@ class Scheduler:
             new_token_ids=new_token_ids,
             finish_reason=request.get_finished_reason(),
             stop_reason=request.stop_reason,
-            new_logprobs=None if logprobs is None else logprobs[i],
+            new_logprobs=None if logprobs is None else rows_for(
+                logprobs[i], len(new_token_ids), len(model_runner_output.sampled_token_ids[i])),
             new_prompt_logprobs=prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
             new_activations=activations,

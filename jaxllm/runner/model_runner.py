@@ -307,6 +307,11 @@ class ModelRunner:
             tensors = jax.device_get(out.logprobs)
             logprobs = [logprobs_lists(tensors, [i], int(want[i]))
                         if want[i] >= 0 and sampled[i] else None for i in range(n)]
+            for feature in self.features:  # e.g. one row per token of an accepted run
+                record = host.feature_records.get(feature.name)
+                if record is not None:
+                    logprobs = feature.sampled_logprobs(record, out.features[feature.name],
+                                                        logprobs, sampled)
         return ModelRunnerOutput(req_ids=host.req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs,
                                  prompt_logprobs=self._prompt_logprobs(host, out),

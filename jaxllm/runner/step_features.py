@@ -29,6 +29,9 @@ features through one traced step. A feature is one object with three parts (STYL
                                      the tokens each sequence emits this step ([S, P] and
                                      their counts; by default the sampler's one per row):
                                      a feature may replace them (speculative verification)
+              sampled_logprobs(record, value, logprobs, sampled)
+                                     the same for the per-row LogprobsLists (one row per
+                                     emitted token)
 
     static    the constructor's arguments: fixed per engine, so the buckets do not multiply
 
@@ -78,6 +81,9 @@ class StepFeature:
 
     def sampled_tokens(self, record: Any, value: Any, tokens_SP, num_S):
         return tokens_SP, num_S
+
+    def sampled_logprobs(self, record: Any, value: Any, logprobs: list, sampled: list) -> list:
+        return logprobs
 
     def collect(self, record: Any, value: Any) -> dict[str, Any]:
         return {}

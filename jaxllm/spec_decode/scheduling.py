@@ -20,8 +20,8 @@ Token ranges of a row with 3 drafts (num_tokens 10 before the step):
     after:       num_computed 13 - 2 rejected = 11 (t9 and d0 computed); tokens 12
 
 A row gets drafts only when verifying them cannot change what its sampler would do: no
-penalties, bad words, allowed ids, logit bias, grammar, logprobs or research extras, and
-past min_tokens (the verify positions skip those processors: spec_decode/feature.py).
+penalties, bad words, allowed ids, logit bias, grammar or research extras (logprobs only in
+the raw_logprobs mode), and past min_tokens (the verify positions skip those processors: spec_decode/feature.py).
 Never touches a device.
 """
 
@@ -55,13 +55,16 @@ class SpecDecodingStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def may_speculate(params) -> bool:
-    """Does the request's sampling leave the verify positions plain (see the docstring)?"""
+def may_speculate(params, raw_logprobs: bool = True) -> bool:
+    """Does the request's sampling leave the verify positions plain (see the docstring)?
+    raw_logprobs: the engine's logprobs_mode is raw_logprobs (the verify rows' logprobs are
+    raw; in the processed modes a request asking for logprobs gets no drafts)."""
     extra = {k for k in (params.extra_args or {}) if k != CACHE_SALT_KEY}
     return not (params.presence_penalty or params.frequency_penalty
                 or params.repetition_penalty != 1.0 or params.bad_words
                 or params.allowed_token_ids or params.logit_bias
-                or params.structured_outputs is not None or params.logprobs is not None
+                or params.structured_outputs is not None
+                or (params.logprobs is not None and not raw_logprobs)
                 or params.logits_processors or extra)
 
 
@@ -87,12 +90,14 @@ class NoSpecDecoding:
 
 
 class SpecDecodeScheduling(NoSpecDecoding):
-    def __init__(self, config: SpeculativeConfig, kv_cache_manager, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, kv_cache_manager, max_model_len: int,
+                 logprobs_mode: str = "raw_logprobs"):
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(self.k, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
+        self.raw_logprobs = logprobs_mode == "raw_logprobs"
         self._drafts: dict[str, list[int]] = {}  # the step being scheduled
         self._verifying: dict[str, int] = {}  # req_id -> drafts it verifies in flight
         self.num_drafts = 0
@@ -105,7 +110,7 @@ class SpecDecodeScheduling(NoSpecDecoding):
         if (num_new_tokens != 1 or request.num_output_placeholders
                 or request.num_computed_tokens != request.num_tokens - 1
                 or request.num_output_tokens < request.sampling_params.min_tokens
-                or not may_speculate(request.sampling_params)):
+                or not may_speculate(request.sampling_params, self.raw_logprobs)):
             return num_new_tokens
         # The step emits up to m + 1 tokens: stay within max_tokens and max_model_len.
         cap = min(self.k, token_budget - 1,
@@ -147,7 +152,20 @@ class SpecDecodeScheduling(NoSpecDecoding):
 
 
 def make_spec_scheduling(config: SpeculativeConfig | None, kv_cache_manager,
-                         max_model_len: int) -> NoSpecDecoding:
+                         max_model_len: int, logprobs_mode: str = "raw_logprobs"
+                         ) -> NoSpecDecoding:
     if config is None:
         return NoSpecDecoding()
-    return SpecDecodeScheduling(config, kv_cache_manager, max_model_len)
+    return SpecDecodeScheduling(config, kv_cache_manager, max_model_len, logprobs_mode)
+
+
+def rows_for(logprobs, num_kept: int, num_sampled: int):
+    """A step's LogprobsLists cut to the tokens the request kept (a stop inside an accepted
+    run drops the rest); as it is (opaque) when every sampled token was kept."""
+    if logprobs is None or num_kept >= num_sampled:
+        return logprobs
+    num_tokens = num_kept
+    return dataclasses.replace(logprobs,
+                               logprob_token_ids=logprobs.logprob_token_ids[:num_tokens],
+                               logprobs=logprobs.logprobs[:num_tokens],
+                               sampled_token_ranks=logprobs.sampled_token_ranks[:num_tokens])

@@ -72,6 +72,27 @@ def test_greedy_outputs_as_without_speculation_and_drafts_accepted(engine):
     assert after.num_draft_tokens > after.num_accepted_tokens
 
 
+@torch.no_grad()
+def test_logprobs_of_each_accepted_token(engine):
+    llm, hf = engine
+    before = spec_stats(llm).num_accepted_tokens
+    params = [greedy(24, logprobs=2), greedy(24, logprobs=1, stop_token_ids=[30])]
+    out = [o.outputs[0] for o in llm.generate(prompts(PROMPTS[:1]) * 2, params,
+                                              use_tqdm=False)]
+    assert spec_stats(llm).num_accepted_tokens > before
+    ids = hf_greedy(hf, PROMPTS[0], 24)
+    ref = torch.log_softmax(hf(torch.tensor([PROMPTS[0] + ids])).logits[0].double(), -1)
+    for c, k in zip(out, (2, 1)):
+        assert list(c.token_ids) == ids[:len(c.token_ids)]
+        assert len(c.logprobs) == len(c.token_ids)  # a stop inside a run cuts the rows too
+        for pos, (token, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            row = ref[len(PROMPTS[0]) - 1 + pos]
+            assert len(lp) == k + (token not in row.topk(k).indices.tolist())
+            assert lp[token].logprob == pytest.approx(float(row[token]), abs=1e-4)
+            assert lp[token].rank == 1
+    assert out[1].finish_reason == "stop" and out[1].token_ids[-1] == 30
+
+
 def test_stops_inside_an_accepted_run(engine):
     llm, _ = engine
     full = llm.generate(prompts(PROMPTS[:1]), greedy(40), use_tqdm=False)[0].outputs[0]
