@@ -88,14 +88,23 @@ class SpecDecodeFeature(StepFeature):
             rows_SK = jnp.clip(bm.logits_indices_S[:, None] - m_S[:, None]
                                + jnp.arange(K, dtype=jnp.int32)[None, :], 0, T - 1)
             draft_SK = step.input_ids_T[jnp.minimum(rows_SK + 1, T - 1)]
-            logits_RV = step.logits_fn(step.hidden_TD[rows_SK.reshape(-1)])  # [S * K, V]
+            # The LM head runs on the fewer of the T packed rows and the S x K verify rows
+            # (static per bucket): a small decode bucket has T < S x K.
+            if T < S * K:
+                logits_RV = step.logits_fn(step.hidden_TD)[rows_SK.reshape(-1)]
+            else:
+                logits_RV = step.logits_fn(step.hidden_TD[rows_SK.reshape(-1)])  # [S * K, V]
             is_greedy_S = smd.temperature < SAMPLING_EPS
             rep = lambda x_S: jnp.repeat(x_S, K, axis=0)  # noqa: E731
-            x_RV = logits_RV / rep(jnp.where(is_greedy_S, 1.0, smd.temperature))[:, None]
-            x_RV = _apply_min_p(x_RV, rep(smd.min_p))
-            x_RV = apply_top_k_top_p(x_RV, rep(smd.top_k), rep(smd.top_p))
-            # Greedy rows compare against the unprocessed argmax, as the sampler takes it.
-            x_RV = jnp.where(rep(is_greedy_S)[:, None], logits_RV, x_RV)
+
+            def processed(logits_RV):
+                x_RV = logits_RV / rep(jnp.where(is_greedy_S, 1.0, smd.temperature))[:, None]
+                x_RV = _apply_min_p(x_RV, rep(smd.min_p))
+                x_RV = apply_top_k_top_p(x_RV, rep(smd.top_k), rep(smd.top_p))
+                # Greedy rows compare against the unprocessed argmax, as the sampler's.
+                return jnp.where(rep(is_greedy_S)[:, None], logits_RV, x_RV)
+
+            x_RV = jax.lax.cond(jnp.all(is_greedy_S), lambda x: x, processed, logits_RV)
             tokens_SP, num_S = rejection_sample(x_RV.reshape(S, K, -1), draft_SK, m_S,
                                                 step.sampled_S, is_greedy_S, smd.seeds,
                                                 smd.steps - m_S)

@@ -71,28 +71,38 @@ def rejection_sample(target_logits_SKV: jax.Array, draft_SK: jax.Array, num_draf
     steps_SK = first_step_S[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]
     flat_RV = target_logits_SKV.reshape(S * K, V).astype(jnp.float32)
     target_argmax_SK = argmax_first(flat_RV).reshape(S, K)
-    probs_SKV = jax.nn.softmax(target_logits_SKV.astype(jnp.float32), axis=-1)
-    p_draft_SK = jnp.take_along_axis(probs_SKV, draft_SK[:, :, None], axis=-1)[:, :, 0]
-    if draft_probs_SKV is None:
-        q_draft_SK = jnp.ones_like(p_draft_SK)
-        residual_SKV = probs_SKV.at[jnp.arange(S)[:, None], jnp.arange(K)[None, :],
-                                    draft_SK].set(0.0)
-    else:
-        q_draft_SK = jnp.take_along_axis(draft_probs_SKV, draft_SK[:, :, None], axis=-1)[:, :, 0]
-        residual_SKV = jnp.maximum(probs_SKV - draft_probs_SKV, 0.0)
-    u_accept_SK = _uniform_SK(seeds_S2, steps_SK, ACCEPT_TAG)
-    # u < p / q  <=>  u * q < p (q > 0 for a proposed token); min(1, .) is implicit.
-    random_ok_SK = u_accept_SK * q_draft_SK < p_draft_SK
+
+    def random_rows():
+        probs_SKV = jax.nn.softmax(target_logits_SKV.astype(jnp.float32), axis=-1)
+        p_draft_SK = jnp.take_along_axis(probs_SKV, draft_SK[:, :, None], axis=-1)[:, :, 0]
+        if draft_probs_SKV is None:
+            q_draft_SK = jnp.ones_like(p_draft_SK)
+            residual_SKV = probs_SKV.at[jnp.arange(S)[:, None], jnp.arange(K)[None, :],
+                                        draft_SK].set(0.0)
+        else:
+            q_draft_SK = jnp.take_along_axis(draft_probs_SKV, draft_SK[:, :, None],
+                                             axis=-1)[:, :, 0]
+            residual_SKV = jnp.maximum(probs_SKV - draft_probs_SKV, 0.0)
+        u_accept_SK = _uniform_SK(seeds_S2, steps_SK, ACCEPT_TAG)
+        # u < p / q  <=>  u * q < p (q > 0 for a proposed token); min(1, .) is implicit.
+        ok_SK = u_accept_SK * q_draft_SK < p_draft_SK
+        u_recover_SK = _uniform_SK(seeds_S2, steps_SK, RECOVER_TAG)
+        # A residual that is all zeros (p == q exactly) cannot be rejected from; draw from p.
+        residual_SKV = jnp.where(jnp.sum(residual_SKV, -1, keepdims=True) > 0, residual_SKV,
+                                 probs_SKV)
+        recovered_SK = _draw(residual_SKV.reshape(S * K, V),
+                             u_recover_SK.reshape(-1)).reshape(S, K)
+        return ok_SK, recovered_SK
+
+    # The softmax, the uniforms and the residual draw only when some row samples (greedy
+    # batches, padding rows included, skip them as the sampler skips its draw).
+    random_ok_SK, recovered_SK = jax.lax.cond(
+        jnp.all(is_greedy_S), lambda: (jnp.zeros((S, K), bool), target_argmax_SK),
+        random_rows)
     greedy_ok_SK = target_argmax_SK == draft_SK
     ok_SK = jnp.where(is_greedy_S[:, None], greedy_ok_SK, random_ok_SK) & valid_SK
     num_accepted_S = _first_true(~ok_SK)  # leading accepted drafts (K when all)
     num_accepted_S = jnp.minimum(num_accepted_S, num_drafts_S)
-
-    u_recover_SK = _uniform_SK(seeds_S2, steps_SK, RECOVER_TAG)
-    # A residual that is all zeros (p == q exactly) cannot be rejected from; draw from p.
-    residual_SKV = jnp.where(jnp.sum(residual_SKV, -1, keepdims=True) > 0, residual_SKV,
-                             probs_SKV)
-    recovered_SK = _draw(residual_SKV.reshape(S * K, V), u_recover_SK.reshape(-1)).reshape(S, K)
     recovered_SK = jnp.where(is_greedy_S[:, None], target_argmax_SK, recovered_SK)
 
     # tokens: drafts up to the first rejection, then the recovered token there, or the bonus.
