@@ -204,7 +204,8 @@ class LLMEngine:
                                   mcfg.vocab_size),
                               spec_decoding=make_spec_scheduling(
                                   config.speculative_config, kv_cache_manager,
-                                  config.max_model_len, config.logprobs_mode))
+                                  config.max_model_len, config.logprobs_mode,
+                                  config.max_num_batched_tokens))
         self.model_runner = runner
 
         def reload_state():  # sleep level 2's wake_up: the same load as above

@@ -24,6 +24,10 @@ class SpeculativeConfig:
     method: str = "ngram"
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # jaxllm's own (vLLM has none of this name): switch speculation off for a step when the
+    # measured step-time model says its extra tokens cost more than acceptance gives back
+    # (spec_decode/cost_model.py; the role of vLLM's former disable_by_batch_size).
+    auto_disable: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -55,6 +59,8 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got "
                              f"{self.method!r}")
+        if not isinstance(self.auto_disable, bool):
+            raise ValueError(f"auto_disable must be a bool, got {self.auto_disable!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}")

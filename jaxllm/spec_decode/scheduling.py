@@ -3,9 +3,13 @@ and what a verified run does to a request afterwards.
 
 Owns the proposals of the step being scheduled (req_id -> drafts), the rollback after
 verification and the acceptance counters (vLLM's spec_decode_* metrics). The scheduler
-calls it at four points and never branches on whether speculation is on (`NoSpecDecoding`
+calls it at these points and never branches on whether speculation is on (`NoSpecDecoding`
 is the same interface doing nothing):
 
+    begin_step(num_running)             speculate this step at all? (cost_model.py: off
+                                        when the batch is large enough that the extra
+                                        tokens cost more than acceptance gives back)
+    observe_step(num_tokens, seconds)   the engine's measured step time (feeds that model)
     num_new_tokens(request, n, budget)  a running row ready to decode (n == 1) may take
                                         1 + m tokens: its last token and m <= K drafts
     forget(request)                     its drafts leave the step (preempted, unscheduled)
@@ -33,6 +37,7 @@ import numpy as np
 
 from jaxllm.engine.request import CACHE_SALT_KEY
 from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.cost_model import StepCostModel
 from jaxllm.spec_decode.ngram import NgramProposer
 
 
@@ -79,6 +84,12 @@ class NoSpecDecoding:
     def forget(self, request) -> None:
         pass
 
+    def begin_step(self, num_running: int) -> None:
+        pass
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        pass
+
     def take_scheduled(self) -> dict[str, list[int]]:
         return {}
 
@@ -91,23 +102,42 @@ class NoSpecDecoding:
 
 class SpecDecodeScheduling(NoSpecDecoding):
     def __init__(self, config: SpeculativeConfig, kv_cache_manager, max_model_len: int,
-                 logprobs_mode: str = "raw_logprobs"):
+                 logprobs_mode: str = "raw_logprobs", max_num_batched_tokens: int = 8192):
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(self.k, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.raw_logprobs = logprobs_mode == "raw_logprobs"
+        self.auto_disable = config.auto_disable
         self._drafts: dict[str, list[int]] = {}  # the step being scheduled
         self._verifying: dict[str, int] = {}  # req_id -> drafts it verifies in flight
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = np.zeros(self.k, np.int64)
+        # Per step: speculate at all? (cost_model.py; observe_step feeds it)
+        self.cost_model = StepCostModel(max_num_batched_tokens)
+        self.num_running = 0  # rows that may decode this step (set by begin_step)
+        self.active = True
+        self.num_steps_off = 0  # steps the cost model switched speculation off
+
+    def begin_step(self, num_running: int) -> None:
+        """Decide for the step being scheduled, with num_running rows in the batch."""
+        mean_drafts = self.num_draft_tokens / self.num_drafts if self.num_drafts else self.k
+        # Until drafts were verified, assume half of them accepted.
+        mean_len = (1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts
+                    else 1 + self.k / 2)
+        self.active = not self.auto_disable or self.cost_model.should_speculate(
+            num_running, mean_drafts, mean_len)
+        self.num_steps_off += not self.active
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.cost_model.observe(num_tokens, seconds)
 
     def num_new_tokens(self, request, num_new_tokens: int, token_budget: int) -> int:
         self._drafts.pop(request.request_id, None)
-        if (num_new_tokens != 1 or request.num_output_placeholders
+        if (not self.active or num_new_tokens != 1 or request.num_output_placeholders
                 or request.num_computed_tokens != request.num_tokens - 1
                 or request.num_output_tokens < request.sampling_params.min_tokens
                 or not may_speculate(request.sampling_params, self.raw_logprobs)):
@@ -152,11 +182,12 @@ class SpecDecodeScheduling(NoSpecDecoding):
 
 
 def make_spec_scheduling(config: SpeculativeConfig | None, kv_cache_manager,
-                         max_model_len: int, logprobs_mode: str = "raw_logprobs"
-                         ) -> NoSpecDecoding:
+                         max_model_len: int, logprobs_mode: str = "raw_logprobs",
+                         max_num_batched_tokens: int = 8192) -> NoSpecDecoding:
     if config is None:
         return NoSpecDecoding()
-    return SpecDecodeScheduling(config, kv_cache_manager, max_model_len, logprobs_mode)
+    return SpecDecodeScheduling(config, kv_cache_manager, max_model_len, logprobs_mode,
+                                max_num_batched_tokens)
 
 
 def rows_for(logprobs, num_kept: int, num_sampled: int):

@@ -24,8 +24,10 @@ from jaxllm import LLM, SamplingParams
 from test_e2e_warmup import jax_compile_events
 from tiny_model import SMALL, TINY_CONFIG, build_tiny_hf_dir, greedy, token_ids
 
+# auto_disable off: the tests count drafts, which the measured cost model could switch off
+# on a busy machine (tests/spec_decode/test_cost_model.py tests that model).
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 1}
+        "prompt_lookup_min": 1, "auto_disable": False}
 # Every id of the vocabulary occurs in it, so the first output token always finds a match.
 ALL_IDS = np.random.default_rng(0).permutation(64).tolist()
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [3, 1, 4, 1, 5, 9, 2, 6],
