@@ -118,13 +118,15 @@ def main() -> None:
             compiles = [llm.llm_engine.runner.num_compiles - c
                         for llm, c in zip((off, on), compiles)]
             drafts, drafted, accepted = (a - b for a, b in zip(spec_counts(on), before))
+            steps_off = on.llm_engine.scheduler.spec_decoding.num_steps_off
             tokens = sum(outs)
             row = dict(workload=workload, batch=batch, requests=n, tokens=tokens,
                        tok_s_off=round(tokens / t_off, 1), tok_s_on=round(tokens / t_on, 1),
                        speedup=round(t_off / t_on, 3),
                        acceptance_rate=round(accepted / drafted, 3) if drafted else 0.0,
                        mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else 1.0,
-                       greedy_identical=ids_off == ids_on, compiles_while_timed=compiles)
+                       greedy_identical=ids_off == ids_on, compiles_while_timed=compiles,
+                       cost_model_steps_off_total=steps_off)
             if batch == 1:
                 # One request at a time: wall time per output token, its prefill included.
                 row["itl_ms_off"] = round(1000 * t_off / tokens, 2)

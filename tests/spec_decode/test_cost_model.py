@@ -24,11 +24,12 @@ def test_buckets_and_averages():
         [2, 2, 4, 8, 64, 128, 512]
     model = StepCostModel(512)
     assert model.step_time(8) is None and model.should_speculate(8, 4, 2.0)
-    model.observe(5, 1.0)
-    model.observe(6, 2.0)  # same bucket (8): 0.8 * 1 + 0.2 * 2
-    assert abs(model.step_time(7) - 1.2) < 1e-12
+    model.observe(5, 30.0)  # a compile: an outlier the median forgets
+    model.observe(6, 1.0)  # same bucket (8)
+    model.observe(7, 1.4)
+    assert abs(model.step_time(7) - 1.4) < 1e-12
     model.observe(64, 2.3)
-    assert abs(model.step_time(32) - (1.2 + (2.3 - 1.2) * (32 - 8) / (64 - 8))) < 1e-9
+    assert abs(model.step_time(32) - (1.4 + (2.3 - 1.4) * (32 - 8) / (64 - 8))) < 1e-9
 
 
 def test_memory_bound_speculates_compute_bound_does_not():
@@ -38,6 +39,9 @@ def test_memory_bound_speculates_compute_bound_does_not():
     model = measured(lambda T: 0.010 + 0.0001 * T)
     decisions = {b: model.should_speculate(b, 4, 2.0) for b in (1, 8, 16, 32, 64)}
     assert decisions == {1: True, 8: True, 16: True, 32: False, 64: False}
+    # While off, one step in PROBE_EVERY (16) speculates, to keep measuring.
+    probes = [model.should_speculate(64, 4, 2.0) for _ in range(32)]
+    assert sum(probes) == 2 and not any(probes[:13])
     t = model.step_time
     assert 2.0 / t(16 * 5) >= 1 / t(16) and 2.0 / t(32 * 5) < 1 / t(32)
     # A better acceptance moves the threshold up.
