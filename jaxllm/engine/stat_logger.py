@@ -67,8 +67,10 @@ class LoggingStatLogger:
             drafts = spec.num_drafts - last.num_drafts
             drafted = spec.num_draft_tokens - last.num_draft_tokens
             accepted = spec.num_accepted_tokens - last.num_accepted_tokens
+            last_pos = last.num_accepted_tokens_per_pos or (0,) * len(
+                spec.num_accepted_tokens_per_pos)
             per_pos = [(a - b) / drafts for a, b in zip(spec.num_accepted_tokens_per_pos,
-                                                        last.num_accepted_tokens_per_pos)]
+                                                        last_pos)]
             logger.info(
                 "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
                 "Drafted: %d tokens, Per-position acceptance rate: %s, Avg Draft acceptance "

@@ -95,3 +95,29 @@ def test_preemption_drops_the_drafts():
     assert so.preempted_req_ids == {"b"}
     assert so.scheduled_spec_decode_tokens == {"a": [9, 7, 8, 9]}
     assert sched.requests["b"].num_computed_tokens == 0
+
+
+def test_the_stats_line_shows_acceptance_over_the_interval(caplog):
+    import logging
+
+    from jaxllm.engine.metrics import SchedulerStats
+    from jaxllm.engine.stat_logger import LoggingStatLogger
+    from jaxllm.spec_decode.scheduling import SpecDecodingStats
+
+    now = [0.0]
+    stat_logger = LoggingStatLogger(interval=10, clock=lambda: now[0])
+    first = SpecDecodingStats(4, 16, 8, (4, 2, 1, 1))
+    second = SpecDecodingStats(14, 56, 38, (14, 10, 8, 6))  # +10 drafts, +40, +30
+    with caplog.at_level(logging.INFO, logger="jaxllm.engine.stat_logger"):
+        now[0] = 10
+        stat_logger.log(SchedulerStats(spec_decoding=first))
+        now[0] = 20
+        stat_logger.log(SchedulerStats(spec_decoding=second))
+    lines = [r.getMessage() for r in caplog.records if "SpecDecoding" in r.getMessage()]
+    assert lines[0] == ("SpecDecoding metrics: Mean acceptance length: 3.00, Accepted: 8 "
+                        "tokens, Drafted: 16 tokens, Per-position acceptance rate: 1.000, "
+                        "0.500, 0.250, 0.250, Avg Draft acceptance rate: 50.0%")
+    assert lines[1] == ("SpecDecoding metrics: Mean acceptance length: 4.00, Accepted: 30 "
+                        "tokens, Drafted: 40 tokens, Per-position acceptance rate: 1.000, "
+                        "0.800, 0.700, 0.500, Avg Draft acceptance rate: 75.0%")
+    assert second.mean_acceptance_length == 1 + 38 / 14
