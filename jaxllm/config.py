@@ -14,12 +14,14 @@ Accelerator defaults follow vLLM: max_num_seqs 256, max_num_batched_tokens 8192,
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jaxllm.cache import AUTO
 from jaxllm.kernels import ATTENTION_BACKENDS, LINEAR_BACKENDS
 from jaxllm.research.requests import ResearchConfig
 from jaxllm.sampling_params import LOGPROBS_MODES
 from jaxllm.scheduling_policy import SCHEDULING_POLICIES
+from jaxllm.spec_decode.config import SpeculativeConfig, speculative_config_of
 from jaxllm.structured_outputs import StructuredOutputsConfig
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 29
@@ -27,6 +29,8 @@ CPU_DEFAULT_MAX_MODEL_LEN = 2048
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
 CONVERTS = ("auto", "none", "embed", "classify")  # vLLM's --convert (a subset)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +72,9 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # the leader's address: JAX's coordination service
     master_port: int = 29501
     # Schedule step N+1 while step N runs (vLLM's async scheduler); same outputs either way.
-    async_scheduling: bool = True
+    # None (vLLM's default): on, unless an option that cannot run with it is set (then off,
+    # with one warning); True with such an option is a ValueError, as in vLLM.
+    async_scheduling: bool | None = None
     # Reuse the KV blocks of prompt prefixes already computed (vLLM v1's default: on).
     enable_prefix_caching: bool = True
     # Order of the waiting queue and choice of preemption victims (engine/request_queue.py):
@@ -91,12 +97,18 @@ class EngineConfig:
     # (a causal LM served as an embedding or classification model).
     runner: str = "auto"
     convert: str = "auto"
+    # Speculative decoding (jaxllm/spec_decode/): a SpeculativeConfig or a dict of vLLM's
+    # speculative_config fields, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.convert not in CONVERTS:
             raise ValueError(f"convert must be one of {CONVERTS}, got {self.convert!r}")
+        object.__setattr__(self, "speculative_config",
+                           speculative_config_of(self.speculative_config))
+        self._resolve_async_scheduling()
         so = self.structured_outputs_config
         if so is None or isinstance(so, dict):
             if isinstance(so, dict) and set(so) - {"backend"}:
@@ -173,6 +185,20 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})")
+
+    def _resolve_async_scheduling(self) -> None:
+        """vLLM's rule: unset is on unless an option cannot run with it (then off, said once);
+        asked for explicitly next to such an option, a ValueError."""
+        blocker = None if self.speculative_config is None else (
+            f"{self.speculative_config.method}-based speculative decoding")
+        if self.async_scheduling is None:
+            if blocker is not None:
+                logger.warning("Async scheduling is not supported with %s and will be "
+                               "disabled.", blocker)
+            object.__setattr__(self, "async_scheduling", blocker is None)
+        elif self.async_scheduling is True and blocker is not None:
+            raise ValueError(f"async_scheduling=True cannot run with {blocker} here; pass "
+                             "async_scheduling=False (--no-async-scheduling) or leave it unset")
 
     def resolved(self, model_max_len: int, on_accelerator: bool) -> "EngineConfig":
         """Fill the None defaults for this model and platform."""

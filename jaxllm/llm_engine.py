@@ -49,6 +49,8 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.research.requests import ResearchLimits
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.features import make_step_features
+from jaxllm.spec_decode.feature import spec_decode_features
+from jaxllm.spec_decode.scheduling import make_spec_scheduling
 from jaxllm.runner.kv_cache import (DeviceMemory, KVCacheSizing, StepMemory,
                                     determine_num_blocks, device_memory, kv_bytes_per_block,
                                     needs_profile, provisional_num_blocks, size_from_profile)
@@ -176,7 +178,10 @@ class LLMEngine:
                                                          hidden_size=mcfg.hidden_size,
                                                          num_heads=mcfg.num_attention_heads,
                                                          head_dim=mcfg.head_dim,
-                                                         vocab_size=mcfg.vocab_size))
+                                                         vocab_size=mcfg.vocab_size)
+                             + spec_decode_features(config.speculative_config,
+                                                    config.max_num_seqs, mcfg.vocab_size,
+                                                    config.max_logprobs))
         del model
         # The figures behind num_blocks on an accelerator (None where the config or the CPU
         # default decides). Each process reads its own devices.
@@ -196,7 +201,11 @@ class LLMEngine:
                               policy=config.scheduling_policy,
                               structured_output_manager=StructuredOutputManager(
                                   config.structured_outputs_config, self.tokenizer,
-                                  mcfg.vocab_size))
+                                  mcfg.vocab_size),
+                              spec_decoding=make_spec_scheduling(
+                                  config.speculative_config, kv_cache_manager,
+                                  config.max_model_len, config.logprobs_mode,
+                                  config.max_num_batched_tokens))
         self.model_runner = runner
 
         def reload_state():  # sleep level 2's wake_up: the same load as above

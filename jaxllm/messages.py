@@ -66,6 +66,10 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]  # append to the runner's block table (often empty)
     num_computed_tokens: int
+    # Blocks the request held before new_block_ids; fewer than the runner's when blocks were
+    # given back (speculative decoding frees blocks that held only rejected drafts): the
+    # runner cuts its table to this many first. None: unchanged.
+    num_blocks_before: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +88,10 @@ class SchedulerOutput:
     # request i may sample; None when no request is constrained.
     structured_output_request_ids: list[str] = dataclasses.field(default_factory=list)
     grammar_bitmask: Any = None
+    # Speculative decoding (jaxllm/spec_decode/): req_id -> the draft tokens it verifies this
+    # step, the last len(drafts) of its num_scheduled_tokens; absent: no drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(
+        default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

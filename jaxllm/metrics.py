@@ -271,4 +271,18 @@ class EngineMetrics:
                                self.finished_by_reason[reason]))
         for name, h in self.histograms.items():
             out.append(Histogram(name, dict(labels), h.buckets, tuple(h.counts), h.sum))
+        out += spec_decode_metrics(stats.spec_decoding, labels)
         return out
+
+
+def spec_decode_metrics(spec, labels: dict[str, str]) -> list[Metric]:
+    """vLLM's spec_decode_* counters (jaxllm/spec_decode/); none while speculation is off."""
+    if spec is None:
+        return []
+    out: list[Metric] = [Counter(f"jaxllm:spec_decode_{field}", dict(labels),
+                                 getattr(spec, field))
+                         for field in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")]
+    for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+        out.append(Counter("jaxllm:spec_decode_num_accepted_tokens_per_pos",
+                           {**labels, "position": str(position)}, value))
+    return out

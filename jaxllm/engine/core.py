@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
@@ -97,10 +98,14 @@ class EngineCore:
 
     def _step_sync(self) -> list[EngineCoreOutput]:
         so = self._schedule()
+        t0 = time.perf_counter()
         try:
             runner_output = self.runner.execute_model(so)
         except Exception as e:
             raise self._fail(so, e) from e
+        # Speculative decoding's cost model reads the step times (spec_decode/cost_model.py).
+        self.scheduler.spec_decoding.observe_step(so.total_num_scheduled_tokens,
+                                                  time.perf_counter() - t0)
         return self.scheduler.update_from_output(so, runner_output)
 
     def _schedule(self) -> SchedulerOutput:

@@ -220,6 +220,22 @@ class KVCacheManager:
             blocks[i] = null
         self.block_pool.free_blocks(skipped)
 
+    def num_blocks_before(self, request: Request, num_new: int) -> int:
+        """Blocks the request held before its latest `num_new` were added."""
+        return len(self.req_to_blocks.get(request.request_id, ())) - num_new
+
+    def free_blocks_after(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first `num_tokens` positions, last first
+        (speculative decoding: blocks that held only rejected drafts; never cached, since
+        a draft's id is not a known token)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        freed = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(freed))
+
     def uncache_scheduled(self, request: Request) -> None:
         """The request's tokens scheduled this step will not be computed after all (it was
         preempted in the same step): blocks past its computed tokens, offered to the prefix

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.spec_decode.scheduling import SpecDecodingStats
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerStats:
@@ -25,6 +27,8 @@ class SchedulerStats:
     # up, and those found cached. hits / queries is the hit rate.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding's counters (spec_decode/scheduling.py); None when it is off.
+    spec_decoding: SpecDecodingStats | None = None
 
 
 # Field -> exported metric name, following vLLM's `vllm:*` names under a `jaxllm:` prefix.

@@ -62,6 +62,7 @@ from jaxllm.engine.request_failures import FAILED, RequestFailures
 from jaxllm.engine.request_queue import create_request_queue
 from jaxllm.engine.scheduler_invariants import check_invariants
 from jaxllm.engine.structured_output import StructuredOutputManager
+from jaxllm.spec_decode.scheduling import NoSpecDecoding, rows_for
 from jaxllm.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -80,6 +81,7 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         structured_output_manager: StructuredOutputManager | None = None,
+        spec_decoding: NoSpecDecoding | None = None,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -92,6 +94,8 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         # Grammars and their bitmasks (engine/structured_output.py); None: refused.
         self.structured_output_manager = structured_output_manager
+        # Speculative decoding's drafts and rollback (jaxllm/spec_decode/scheduling.py).
+        self.spec_decoding = spec_decoding or NoSpecDecoding()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -202,6 +206,7 @@ class Scheduler:
         scheduled_new: list[Request] = []  # first time, or resumed after preemption
         preempted: list[Request] = []
 
+        self.spec_decoding.begin_step(len(self.running))
         # 1. Running requests, in order. A victim of preemption before req_index was
         #    scheduled earlier in this step (only the "priority" policy picks those): its
         #    tokens go back to the budget.
@@ -215,6 +220,8 @@ class Scheduler:
             if num_new_tokens == 0:
                 req_index += 1
                 continue
+            num_new_tokens = self.spec_decoding.num_new_tokens(request, num_new_tokens,
+                                                               token_budget)
             block_ids = self.failures.guard(request, self.kv_cache_manager.allocate_slots, request,
                                       num_new_tokens)
             while block_ids is None:  # preempt until its blocks fit
@@ -226,6 +233,7 @@ class Scheduler:
                         scheduled_running.remove(victim)
                         token_budget += num_scheduled_tokens.pop(victim.request_id)
                         del new_block_ids[victim.request_id]
+                        self.spec_decoding.forget(victim)
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -278,7 +286,10 @@ class Scheduler:
         # The messages carry the counts from before this step's tokens.
         new_reqs = [self._new_request_data(r) for r in scheduled_new]
         cached_reqs = [CachedRequestData(r.request_id, new_block_ids[r.request_id],
-                                         r.num_computed_tokens) for r in scheduled_running]
+                                         r.num_computed_tokens,
+                                         self.kv_cache_manager.num_blocks_before(
+                                             r, len(new_block_ids[r.request_id])))
+                       for r in scheduled_running]
 
         # Advance now, as if the step already ran: the next schedule() must not hand out the
         # same positions again, even before update_from_output. A request whose known (and
@@ -287,7 +298,7 @@ class Scheduler:
         for req_id, num_tokens in num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            if request.num_computed_tokens >= request.num_tokens_with_placeholders:  # drafts: >
                 request.num_output_placeholders += 1
                 if request.structured_output_request is not None:
                     constrained.append(request)
@@ -305,6 +316,7 @@ class Scheduler:
             blocks_to_copy=self.kv_cache_manager.blocks_to_copy,
             structured_output_request_ids=[r.request_id for r in constrained],
             grammar_bitmask=grammar_bitmask,
+            scheduled_spec_decode_tokens=self.spec_decoding.take_scheduled(),
         )
         self.kv_cache_manager.blocks_to_copy = []
         self._preempted_req_ids = set()
@@ -353,6 +365,7 @@ class Scheduler:
             f"{request}: tokens sampled before its prefill completed")
         # One placeholder per sampling step, however many tokens that step produced.
         request.num_output_placeholders -= 1 if sampled else 0
+        self.spec_decoding.on_output(request, sampled)  # rejected drafts roll back
         if request.structured_output_request is not None:  # a refused token: it fails
             self.structured_output_manager.accept_tokens(request.structured_output_request,
                                                          sampled)
@@ -373,7 +386,8 @@ class Scheduler:
             new_token_ids=new_token_ids,
             finish_reason=request.get_finished_reason(),
             stop_reason=request.stop_reason,
-            new_logprobs=None if logprobs is None else logprobs[i],
+            new_logprobs=None if logprobs is None else rows_for(
+                logprobs[i], len(new_token_ids), len(model_runner_output.sampled_token_ids[i])),
             new_prompt_logprobs=prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
             new_activations=activations,
@@ -396,6 +410,7 @@ class Scheduler:
             num_generation_tokens=self.num_generation_tokens,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            spec_decoding=self.spec_decoding.make_stats(),
         )
 
     # -- helpers ------------------------------------------------------------------------
@@ -444,6 +459,7 @@ class Scheduler:
         # Recompute, not swap: drop the K/V, keep the tokens (prompt and generated), and
         # prefill them all again when resumed.
         self.kv_cache_manager.free(request)
+        self.spec_decoding.forget(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         # Tokens still in flight were computed on the K/V just dropped: discard them on

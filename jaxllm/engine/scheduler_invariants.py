@@ -23,7 +23,8 @@ def check_invariants(scheduler, output: SchedulerOutput) -> None:
     for req_id, num_tokens in scheduled.items():
         request = scheduler.requests[req_id]
         assert num_tokens > 0 and request.status == RequestStatus.RUNNING, request
-        assert request.num_computed_tokens <= min(request.num_tokens_with_placeholders,
-                                                  scheduler.max_model_len), request
+        num_drafts = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
+        assert request.num_computed_tokens <= min(
+            request.num_tokens_with_placeholders + num_drafts, scheduler.max_model_len), request
         num_blocks = len(kv.req_to_blocks[req_id])
         assert num_blocks * kv.block_size >= request.num_computed_tokens, (request, num_blocks)

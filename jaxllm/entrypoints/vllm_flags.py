@@ -335,7 +335,7 @@ _TABLE = """
 --linear-backend                             value impl
 --sparse-indexer-topk-backend                value noop          a CUDA kernel choice
 [VllmConfig]
---speculative-config,-sc                     value only=         speculative decoding is not supported yet
+--speculative-config,-sc                     value impl
 --spec-method                                value only=         speculative decoding is not supported yet
 --spec-model                                 value only=         speculative decoding is not supported yet
 --spec-tokens                                value only=         speculative decoding is not supported yet

@@ -36,6 +36,13 @@ class StepHooks:
             x_TD = feature.transform(site, layer, x_TD, self)
         return x_TD
 
+    def sampled(self, step: Any) -> None:
+        """The "sampled" point, after the sampler: each feature's after_sampling(step, hooks)
+        sees the step's hidden states and its sample (runner/step.py SampledStep) and may
+        record an output (e.g. speculative verification)."""
+        for feature in self.features:
+            feature.after_sampling(step, self)
+
     def outputs(self) -> dict[str, Any]:
         """feature name -> its extra step output, for the features that have one."""
         out = {}

@@ -103,6 +103,9 @@ class InputBatch:
         self.num_tokens_known = np.zeros(R, np.int32)
         self.num_tokens = np.zeros(R, np.int32)
         self.num_computed_tokens = np.zeros(R, np.int32)
+        # Draft tokens this step (speculative decoding): in token_ids right after the known
+        # ones, fed from the host like known tokens.
+        self.num_draft_tokens = np.zeros(R, np.int32)
         self.num_blocks = np.zeros(R, np.int32)
         self.num_prompt_logprobs = np.full(R, -1, np.int32)
         self.sampling = SamplingSlots(R)
@@ -146,6 +149,7 @@ class InputBatch:
         self.token_ids[slot, :len(tokens)] = tokens
         self.num_prompt_tokens[slot] = len(new.prompt_token_ids)
         self.num_tokens_known[slot] = self.num_tokens[slot] = len(tokens)
+        self.num_draft_tokens[slot] = 0
         self.num_computed_tokens[slot] = new.num_computed_tokens
         # The whole row, zeros past the request's blocks: only the columns that differ from
         # the slot's previous occupant are sent.
@@ -175,6 +179,13 @@ class InputBatch:
         self._free_slots.append(slot)
         self._free_slots.sort(reverse=True)
 
+    def _cut_blocks(self, slot: int, num_blocks: int) -> None:
+        """Keep the first num_blocks (the scheduler gave the rest back); null past them."""
+        n = int(self.num_blocks[slot])
+        if num_blocks < n:
+            self.block_table.set(slot, np.arange(num_blocks, n), 0)
+            self.num_blocks[slot] = num_blocks
+
     def _append_blocks(self, slot: int, block_ids: Sequence[int]) -> None:
         if not block_ids:
             return  # most decode steps: no new block
@@ -190,10 +201,18 @@ class InputBatch:
             self.add_request(new)
         for cached in so.scheduled_cached_reqs:
             slot = self.req_id_to_slot[cached.req_id]
+            if cached.num_blocks_before is not None:
+                self._cut_blocks(slot, cached.num_blocks_before)
             self._append_blocks(slot, cached.new_block_ids)
             self.num_computed_tokens[slot] = cached.num_computed_tokens
+            self._set_drafts(slot, so.scheduled_spec_decode_tokens.get(cached.req_id, ()))
         for feature in self.features:
             feature.update_states(so, self.req_id_to_slot)
+
+    def _set_drafts(self, slot: int, drafts: Sequence[int]) -> None:
+        known = int(self.num_tokens_known[slot])
+        self.token_ids[slot, known:known + len(drafts)] = drafts
+        self.num_draft_tokens[slot] = len(drafts)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -215,7 +234,7 @@ class InputBatch:
         pos = (start[row_seq] + np.arange(total, dtype=np.int32)
                - (ends - num_sched)[row_seq]).astype(np.int32)
         row_slot = slots[row_seq]
-        from_device = pos >= self.num_tokens_known[row_slot]
+        from_device = pos >= (self.num_tokens_known + self.num_draft_tokens)[row_slot]
         ids = np.where(from_device, 0, self.token_ids[row_slot, np.minimum(
             pos, self.max_model_len - 1)])
 
@@ -287,21 +306,29 @@ class InputBatch:
                                  int(self.num_prompt_logprobs[slot]))
         return targets, wants, spans
 
-    def record_sampled(self, step: HostStep, sampled_S: np.ndarray) -> list[list[int]]:
+    def record_sampled(self, step: HostStep, sampled_SP: np.ndarray,
+                       num_sampled_S: np.ndarray | None = None) -> list[list[int]]:
         """Write a fetched step's sampled tokens into the rows that still hold the same
-        requests; -> the sampled ids per real sequence ([] where it did not sample)."""
+        requests; -> the sampled ids per real sequence ([] where it did not sample).
+        sampled_SP [S, P]: the first num_sampled_S[i] of row i (None: one each; more than
+        one when a step feature emitted an accepted speculative run)."""
+        sampled_SP = np.asarray(sampled_SP)
+        if sampled_SP.ndim == 1:
+            sampled_SP = sampled_SP[:, None]
         out = []
         for i, req_id in enumerate(step.req_ids):
             if not step.samples_S[i]:
                 out.append([])
                 continue
-            token = int(sampled_S[i])
-            out.append([token])
+            n = 1 if num_sampled_S is None else int(num_sampled_S[i])
+            tokens = [int(t) for t in sampled_SP[i, :n]]
+            out.append(tokens)
             slot = step.slot_S[i]
             if self.generation[slot] != step.generations[i]:
                 continue  # the request left (finished, preempted) after this step was sent
-            known = self.num_tokens_known[slot]
-            if known < self.max_model_len:
-                self.token_ids[slot, known] = token
-            self.num_tokens_known[slot] = known + 1
+            known = int(self.num_tokens_known[slot])
+            stop = min(known + n, self.max_model_len)
+            self.token_ids[slot, known:stop] = tokens[:stop - known]
+            self.num_tokens_known[slot] = known + n
+            self.num_tokens[slot] += n - 1  # prepare counted one
         return out

@@ -293,7 +293,13 @@ class ModelRunner:
         if pending is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         host, out = pending.host, pending.out
-        sampled = self.input_batch.record_sampled(host, np.asarray(out.sampled_token_ids))
+        tokens_SP, num_S = np.asarray(out.sampled_token_ids)[:, None], None
+        for feature in self.features:  # e.g. speculative verification's accepted runs
+            record = host.feature_records.get(feature.name)
+            if record is not None:
+                tokens_SP, num_S = feature.sampled_tokens(record, out.features[feature.name],
+                                                          tokens_SP, num_S)
+        sampled = self.input_batch.record_sampled(host, tokens_SP, num_S)
         n = len(host.req_ids)
         want = host.sampling.num_logprobs[:n]
         logprobs = None
@@ -301,6 +307,11 @@ class ModelRunner:
             tensors = jax.device_get(out.logprobs)
             logprobs = [logprobs_lists(tensors, [i], int(want[i]))
                         if want[i] >= 0 and sampled[i] else None for i in range(n)]
+            for feature in self.features:  # e.g. one row per token of an accepted run
+                record = host.feature_records.get(feature.name)
+                if record is not None:
+                    logprobs = feature.sampled_logprobs(record, out.features[feature.name],
+                                                        logprobs, sampled)
         return ModelRunnerOutput(req_ids=host.req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs,
                                  prompt_logprobs=self._prompt_logprobs(host, out),

@@ -26,6 +26,7 @@ named points through `StepHooks` and may add outputs (`StepOutput.features`).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -57,6 +58,18 @@ class BatchMetadata:
     samples_S: jax.Array  # [S] bool, the sequence samples this step (its chunk reaches the end)
     prompt_targets_T: jax.Array  # [T] int32, the prompt token each row predicts (or 0)
     wants_prompt_logprobs_T: jax.Array  # [T] bool, rows whose prompt logprob is wanted
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledStep:
+    """What the features see at the "sampled" point (trace time; T rows, S sequences)."""
+
+    hidden_TD: jax.Array  # the final hidden states of every packed row
+    input_ids_T: jax.Array  # the row tokens, device-fed ones filled in
+    logits_fn: Callable[[jax.Array], jax.Array]  # hidden [N, D] -> f32 logits [N, V]
+    bm: BatchMetadata
+    smd: SamplingMetadata
+    sampled_S: jax.Array  # [S] int32, the sampler's token at each sequence's last row
 
 
 @flax.struct.dataclass
@@ -99,6 +112,9 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
                      lambda: token_ids_RL.at[bm.slot_S].get(mode="fill", fill_value=0),
                      logprobs_mode=logprobs_mode, max_num_logprobs=max_logprobs)
         # The sampled token sits right after the sequence's last computed position.
+        hooks.sampled(SampledStep(hidden_TD, input_ids_T,
+                                  lambda h_ND: model.compute_logits(h_ND, ops), bm, smd,
+                                  out.sampled_token_ids))
         write_slot_S = jnp.where(bm.samples_S, bm.slot_S, R)
         token_ids_RL = token_ids_RL.at[write_slot_S, md.seq_lens].set(out.sampled_token_ids,
                                                                       mode="drop")

@@ -17,10 +17,21 @@ features through one traced step. A feature is one object with three parts (STYL
                                      at a named point of the forward (the residual stream's
                                      sites, jaxllm/research/requests.py; "logits" [S, V]
                                      before sampling, rows by hooks.slot_S); returns x_TD
+              after_sampling(step, hooks)
+                                     at the "sampled" point, after the sampler: the step's
+                                     hidden states, logits function, metadata and sample
+                                     (runner/step.py SampledStep); records into hooks.recorded
               step_output(hooks)     an extra output of the step (None: none)
     host      collect(record, value) req_id -> what the request gets from this step (value:
                                      the step_output, still on the device: a feature copies
                                      only what its record asks for)
+              sampled_tokens(record, value, tokens_SP, num_S)
+                                     the tokens each sequence emits this step ([S, P] and
+                                     their counts; by default the sampler's one per row):
+                                     a feature may replace them (speculative verification)
+              sampled_logprobs(record, value, logprobs, sampled)
+                                     the same for the per-row LogprobsLists (one row per
+                                     emitted token)
 
     static    the constructor's arguments: fixed per engine, so the buckets do not multiply
 
@@ -62,8 +73,17 @@ class StepFeature:
                   hooks: StepHooks) -> jax.Array:
         return x_TD
 
+    def after_sampling(self, step, hooks: StepHooks) -> None:
+        pass
+
     def step_output(self, hooks: StepHooks) -> Any:
         return None
+
+    def sampled_tokens(self, record: Any, value: Any, tokens_SP, num_S):
+        return tokens_SP, num_S
+
+    def sampled_logprobs(self, record: Any, value: Any, logprobs: list, sampled: list) -> list:
+        return logprobs
 
     def collect(self, record: Any, value: Any) -> dict[str, Any]:
         return {}

@@ -40,8 +40,8 @@ def test_the_table_is_vllms_parser_in_its_groups():
     assert len(names) == len(set(names))
     counts = {kind: sum(f.kind == kind for f in VLLM_FLAGS) for kind in ("impl", "noop", "only")}
     refused_always = sum(f.kind == "only" and f.accepted == "" for f in VLLM_FLAGS)
-    assert counts == {"impl": 61, "noop": 158, "only": 98}, counts
-    assert refused_always == 48
+    assert counts == {"impl": 62, "noop": 158, "only": 97}, counts
+    assert refused_always == 47
 
 
 def test_every_unimplemented_flag_is_accepted_with_a_note_or_refused():
@@ -98,6 +98,19 @@ def test_implemented_flags_and_vllm_spellings():
             server["return_tokens_as_token_ids"], server["enable_request_id_headers"],
             server["allowed_origins"]) == (True, 0.0, True, True, ["http://x"])
     assert server["notes"] == []
+
+
+def test_speculative_config_flag():
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    _, engine = resolve_args(["-sc", spec, "--no-async-scheduling"])
+    c = engine.speculative_config
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (
+        "ngram", 3, 4, 4)
+    with pytest.raises(ValueError, match="async_scheduling=True cannot run with ngram"):
+        resolve_args(["--speculative-config", spec, "--async-scheduling"])
+    assert resolve_args(["--speculative-config", spec])[1].async_scheduling is False
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        resolve_args(["--speculative-config", "{ngram", "--no-async-scheduling"])
 
 
 def test_a_config_file_takes_vllm_keys_too(tmp_path):

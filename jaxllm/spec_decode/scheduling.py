@@ -1,0 +1,202 @@
+"""The scheduler's half of speculative decoding: which running rows verify drafts this step,
+and what a verified run does to a request afterwards.
+
+Owns the proposals of the step being scheduled (req_id -> drafts), the rollback after
+verification and the acceptance counters (vLLM's spec_decode_* metrics). The scheduler
+calls it at these points and never branches on whether speculation is on (`NoSpecDecoding`
+is the same interface doing nothing):
+
+    begin_step(num_running)             speculate this step at all? (cost_model.py: off
+                                        when the batch is large enough that the extra
+                                        tokens cost more than acceptance gives back)
+    observe_step(num_tokens, seconds)   the engine's measured step time (feeds that model)
+    num_new_tokens(request, n, budget)  a running row ready to decode (n == 1) may take
+                                        1 + m tokens: its last token and m <= K drafts
+    forget(request)                     its drafts leave the step (preempted, unscheduled)
+    take_scheduled()                    -> SchedulerOutput.scheduled_spec_decode_tokens
+    on_output(request, sampled)         before its tokens are appended: roll back the
+                                        rejected drafts and free blocks that held only them
+
+Token ranges of a row with 3 drafts (num_tokens 10 before the step):
+
+    scheduled:   t9 d0 d1 d2           num_computed 9 -> 13 at schedule
+    verified:    d0 accepted, d1 rejected -> sampled [d0, r1]
+    after:       num_computed 13 - 2 rejected = 11 (t9 and d0 computed); tokens 12
+
+A row gets drafts only when verifying them cannot change what its sampler would do: no
+penalties, bad words, allowed ids, logit bias, grammar or research extras (logprobs only in
+the raw_logprobs mode), and past min_tokens (the verify positions skip those processors: spec_decode/feature.py).
+Never touches a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxllm.engine.request import CACHE_SALT_KEY
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.cost_model import StepCostModel
+from jaxllm.spec_decode.ngram import NgramProposer
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecDecodingStats:
+    """Cumulative counters (vLLM's names without the prefix)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verified run, the bonus/recovered one included (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def may_speculate(params, raw_logprobs: bool = True) -> bool:
+    """Does the request's sampling leave the verify positions plain (see the docstring)?
+    raw_logprobs: the engine's logprobs_mode is raw_logprobs (the verify rows' logprobs are
+    raw; in the processed modes a request asking for logprobs gets no drafts)."""
+    extra = {k for k in (params.extra_args or {}) if k != CACHE_SALT_KEY}
+    return not (params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0 or params.bad_words
+                or params.allowed_token_ids or params.logit_bias
+                or params.structured_outputs is not None
+                or (params.logprobs is not None and not raw_logprobs)
+                or params.logits_processors or extra)
+
+
+class NoSpecDecoding:
+    """Speculation off: every call leaves the schedule as it is."""
+
+    stats = None
+
+    def num_new_tokens(self, request, num_new_tokens: int, token_budget: int) -> int:
+        return num_new_tokens
+
+    def forget(self, request) -> None:
+        pass
+
+    def begin_step(self, num_running: int) -> None:
+        pass
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+    def take_scheduled(self) -> dict[str, list[int]]:
+        return {}
+
+    def on_output(self, request, sampled: list[int]) -> None:
+        pass
+
+    def make_stats(self) -> SpecDecodingStats | None:
+        return None
+
+
+class SpecDecodeScheduling(NoSpecDecoding):
+    def __init__(self, config: SpeculativeConfig, kv_cache_manager, max_model_len: int,
+                 logprobs_mode: str = "raw_logprobs", max_num_batched_tokens: int = 8192):
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(self.k, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.raw_logprobs = logprobs_mode == "raw_logprobs"
+        self.auto_disable = config.auto_disable
+        self._drafts: dict[str, list[int]] = {}  # the step being scheduled
+        self._verifying: dict[str, int] = {}  # req_id -> drafts it verifies in flight
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = np.zeros(self.k, np.int64)
+        # Per step: speculate at all? (cost_model.py; observe_step feeds it)
+        self.cost_model = StepCostModel(max_num_batched_tokens)
+        self.num_running = 0  # rows that may decode this step (set by begin_step)
+        self.active = True
+        self.num_steps_off = 0  # steps the cost model switched speculation off
+
+    def begin_step(self, num_running: int) -> None:
+        """Decide for the step being scheduled, with num_running rows in the batch."""
+        mean_drafts = self.num_draft_tokens / self.num_drafts if self.num_drafts else self.k
+        # Until drafts were verified, assume half of them accepted.
+        mean_len = (1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts
+                    else 1 + self.k / 2)
+        self.active = not self.auto_disable or self.cost_model.should_speculate(
+            num_running, mean_drafts, mean_len)
+        self.num_steps_off += not self.active
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.cost_model.observe(num_tokens, seconds)
+
+    def num_new_tokens(self, request, num_new_tokens: int, token_budget: int) -> int:
+        self._drafts.pop(request.request_id, None)
+        if (not self.active or num_new_tokens != 1 or request.num_output_placeholders
+                or request.num_computed_tokens != request.num_tokens - 1
+                or request.num_output_tokens < request.sampling_params.min_tokens
+                or not may_speculate(request.sampling_params, self.raw_logprobs)):
+            return num_new_tokens
+        # The step emits up to m + 1 tokens: stay within max_tokens and max_model_len.
+        cap = min(self.k, token_budget - 1,
+                  request.max_tokens - request.num_output_tokens - 1,
+                  self.max_model_len - request.num_tokens - 1)
+        if cap <= 0:
+            return num_new_tokens
+        drafts = self.proposer.propose(np.asarray(request.all_token_ids, np.int64), cap)
+        if drafts.size == 0:
+            return num_new_tokens
+        self._drafts[request.request_id] = drafts.tolist()
+        return 1 + drafts.size
+
+    def forget(self, request) -> None:
+        self._drafts.pop(request.request_id, None)
+
+    def take_scheduled(self) -> dict[str, list[int]]:
+        drafts, self._drafts = self._drafts, {}
+        # Synchronous loop: the previous step's outputs were all folded back by now.
+        self._verifying = {req_id: len(d) for req_id, d in drafts.items()}
+        return drafts
+
+    def on_output(self, request, sampled: list[int]) -> None:
+        m = self._verifying.pop(request.request_id, 0)
+        if not m or not sampled:
+            return
+        accepted = len(sampled) - 1
+        request.num_computed_tokens -= m - accepted
+        self.kv_cache_manager.free_blocks_after(request, request.num_computed_tokens)
+        self.num_drafts += 1
+        self.num_draft_tokens += m
+        self.num_accepted_tokens += accepted
+        self.accepted_per_pos[:accepted] += 1
+
+    def make_stats(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens,
+                                 tuple(int(x) for x in self.accepted_per_pos))
+
+
+def make_spec_scheduling(config: SpeculativeConfig | None, kv_cache_manager,
+                         max_model_len: int, logprobs_mode: str = "raw_logprobs",
+                         max_num_batched_tokens: int = 8192) -> NoSpecDecoding:
+    if config is None:
+        return NoSpecDecoding()
+    return SpecDecodeScheduling(config, kv_cache_manager, max_model_len, logprobs_mode,
+                                max_num_batched_tokens)
+
+
+def rows_for(logprobs, num_kept: int, num_sampled: int):
+    """A step's LogprobsLists cut to the tokens the request kept (a stop inside an accepted
+    run drops the rest); as it is (opaque) when every sampled token was kept."""
+    if logprobs is None or num_kept >= num_sampled:
+        return logprobs
+    num_tokens = num_kept
+    return dataclasses.replace(logprobs,
+                               logprob_token_ids=logprobs.logprob_token_ids[:num_tokens],
+                               logprobs=logprobs.logprobs[:num_tokens],
+                               sampled_token_ranks=logprobs.sampled_token_ranks[:num_tokens])
