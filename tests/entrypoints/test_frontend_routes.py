@@ -235,6 +235,7 @@ def test_prompt_embeds_are_refused_with_a_clear_400(server):
 
 # ---- test_async_tokenization.py ------------------------------------------------------------
 
+@pytest.mark.serial  # /health's latency: alone
 def test_tokenization_runs_off_the_event_loop_and_health_stays_fast(server, monkeypatch):
     """vLLM's test_healthcheck_response_time, made exact: every tokenizer call is recorded
     with its thread, and slowed by 0.1 s (a long prompt's tokenization), while 5 completions

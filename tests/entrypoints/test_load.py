@@ -33,6 +33,8 @@ from engine_e2e.tiny_model import build_tiny_llama_dir
 
 from remote_server import RemoteServer
 
+pytestmark = pytest.mark.serial  # /health's latency and a fault timed mid-run: alone
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARGS = ["--served-model-name", "tiny", "--max-model-len", "256", "--max-num-seqs", "64",
         "--max-num-batched-tokens", "256", "--dtype", "float32", "--kv-cache-memory-bytes",

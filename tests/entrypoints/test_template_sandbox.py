@@ -13,6 +13,8 @@ from jaxllm.entrypoints.openai.template_sandbox import TemplateSandbox
 
 from engine_e2e.tiny_model import smollm2_tokenizer
 
+pytestmark = pytest.mark.serial  # wall-clock limits of the render worker: alone
+
 MAX_CHARS = 1000
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello! How"}]
