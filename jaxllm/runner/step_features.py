@@ -17,6 +17,9 @@ features through one traced step. A feature is one object with three parts (STYL
                                      at a named point of the forward (the residual stream's
                                      sites, jaxllm/research/requests.py; "logits" [S, V]
                                      before sampling, rows by hooks.slot_S); returns x_TD
+              project(name, layer, x_TK, y_TN, hooks)
+                                     at a dense layer (models/hooks.py StepHooks.project):
+                                     its input and output; returns y_TN (e.g. LoRA)
               step_output(hooks)     an extra output of the step (None: none)
     host      collect(record, value) req_id -> what the request gets from this step (value:
                                      the step_output, still on the device: a feature copies
@@ -61,6 +64,10 @@ class StepFeature:
     def transform(self, site: str, layer: int | None, x_TD: jax.Array,
                   hooks: StepHooks) -> jax.Array:
         return x_TD
+
+    def project(self, name: str, layer: int | None, x_TK: jax.Array, y_TN: jax.Array,
+                hooks: StepHooks) -> jax.Array:
+        return y_TN
 
     def step_output(self, hooks: StepHooks) -> Any:
         return None
