@@ -433,7 +433,8 @@ class LLMEngine:
         return self.sleep_mode.is_sleeping
 
     def get_metrics(self):
-        return self.metrics.snapshot(self.scheduler.make_stats())
+        return (self.metrics.snapshot(self.scheduler.make_stats())
+                + self.lora_manager.metrics(self.scheduler))
 
     def shutdown(self) -> None:
         """With several processes: tell the followers to stop (also done at exit). The

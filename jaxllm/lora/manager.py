@@ -11,12 +11,15 @@ request that names an adapter is a ValueError. Never decides which requests run.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 from jaxllm.lora.config import LoRAConfig, lora_config_of
 from jaxllm.lora.feature import LoRAFeature, model_projections
 from jaxllm.lora.peft import LoRACache, read_adapter_config
 from jaxllm.lora.request import LoRARequest, lora_request_of, with_lora_request
+from jaxllm.lora.scheduling import lora_requests_info
+from jaxllm.metrics import Gauge
 from jaxllm.models.dtype import DTYPES
 
 
@@ -34,6 +37,17 @@ class NoLoRA:
                              "enabled: start the engine with enable_lora=True")
 
     def list_loras(self) -> list[LoRARequest]:
+        return []
+
+    def get_lora(self, lora_name: str) -> LoRARequest | None:
+        return None
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is not enabled (start the "
+                         "engine with enable_lora=True, the server with --enable-lora)")
+
+    def metrics(self, scheduler) -> list:
+        """vLLM's lora_requests_info gauge (none without LoRA)."""
         return []
 
 
@@ -85,6 +99,14 @@ class LoRAManager(NoLoRA):
 
     def list_loras(self) -> list[LoRARequest]:
         return list(self._registered.values())
+
+    def metrics(self, scheduler) -> list:
+        """vLLM's lora_requests_info: the running and the waiting adapters' names (comma
+        separated) and max_lora as labels, the time of the snapshot as the value."""
+        running, waiting = lora_requests_info(scheduler.running, scheduler.waiting)
+        return [Gauge("jaxllm:lora_requests_info",
+                      {"max_lora": str(self.max_loras), "running_lora_adapters": ",".join(running),
+                       "waiting_lora_adapters": ",".join(waiting)}, time.time())]
 
     def next_id(self) -> int:
         return max((lr.lora_int_id for lr in self._registered.values()), default=0) + 1
