@@ -23,10 +23,11 @@ from tiny_model import SMALL, TINY_CONFIG, build_tiny_hf_dir, greedy
 
 VOCAB = 512
 PROMPTS = [[1, 500, 60, 70, 42, 99], [7, 8, 9, 10, 11, 12, 300, 301]]
-# A budget of 8 tokens: every step runs in the token buckets 2, 4 or 8 (compiled as they
-# come, the slow part of these tests); prompts are prefilled in chunks.
-LORA_ENGINE = dict(SMALL, enable_lora=True, max_loras=3, max_cpu_loras=3,
-                   max_num_batched_tokens=8, logprobs_mode="raw_logits")
+# Tiny budgets: compiling a token bucket is the slow part of these tests, and with 4 tokens
+# a step (prompts prefilled in chunks) every step runs in bucket 2 or 4; Qwen2's engine, 2
+# tokens and 2 sequences, only ever runs bucket 2.
+LORA_ENGINE = dict(SMALL, enable_lora=True, max_loras=3, max_cpu_loras=3, max_num_seqs=4,
+                   max_num_batched_tokens=4, logprobs_mode="raw_logits")
 ADAPTERS = {  # name: (id, write_peft_adapter arguments)
     "all8": (1, dict(seed=1, r=8)),
     "attn16_rslora": (2, dict(seed=2, r=16, lora_alpha=8, use_rslora=True,
@@ -37,14 +38,14 @@ ADAPTERS = {  # name: (id, write_peft_adapter arguments)
 
 
 class Setup:
-    def __init__(self, root, config_cls, arch, loras=ADAPTERS, **config):
+    def __init__(self, root, config_cls, arch, loras=ADAPTERS, engine=None, **config):
         self.hf = build_tiny_hf_dir(f"{root}/model", config_cls, arch, vocab_size=VOCAB,
                                     **{**TINY_CONFIG, **config})
         self.peft, self.lora = {}, {}
         for name, (lid, kwargs) in loras.items():
             self.peft[name] = write_peft_adapter(self.hf, f"{root}/{name}", **kwargs)
             self.lora[name] = LoRARequest(name, lid, f"{root}/{name}")
-        self.llm = LLM(f"{root}/model", **LORA_ENGINE)
+        self.llm = LLM(f"{root}/model", **{**LORA_ENGINE, **(engine or {})})
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,8 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     return Setup(tmp_path_factory.mktemp("lora_qwen2"), "Qwen2Config", "Qwen2ForCausalLM",
-                 loras={"all8": ADAPTERS["all8"]})
+                 loras={"all8": ADAPTERS["all8"]},
+                 engine=dict(max_num_seqs=2, max_num_batched_tokens=2))
 
 
 def hf_greedy(model, ids, n):
