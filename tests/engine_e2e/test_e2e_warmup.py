@@ -43,19 +43,14 @@ def jax_compile_events():
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model_dir, tmp_path_factory) -> list[LoRARequest]:
-    """Two random PEFT adapters of the tiny model."""
-    import transformers
+def adapters(tmp_path_factory) -> list[LoRARequest]:
+    """Two random PEFT-format adapters of the tiny model."""
+    from lora_adapters import write_random_adapter
+    from tiny_model import TINY_CONFIG
 
-    from lora_adapters import write_peft_adapter
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     root = tmp_path_factory.mktemp("warm_loras")
-    out = []
-    for i in (1, 2):
-        write_peft_adapter(hf, str(root / f"a{i}"), seed=i, r=4 * i)
-        out.append(LoRARequest(f"a{i}", i, str(root / f"a{i}")))
-    return out
+    return [LoRARequest(f"a{i}", i, write_random_adapter(root / f"a{i}", TINY_CONFIG, seed=i,
+                                                          r=4 * i)) for i in (1, 2)]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ in both forms, /v1/models with `parent`, `model=<adapter>` selecting it (the tok
 engine gives that adapter directly), an unknown model's 404, and the runtime
 /v1/load_lora_adapter and /v1/unload_lora_adapter behind JAXLLM_ALLOW_RUNTIME_LORA_UPDATING.
 
-The adapters are random PEFT-format directories written here for the shared tiny Llama
+The adapters are random PEFT-format directories (numpy) for the shared tiny Llama
 (its parity with HF + peft is tests/engine_e2e/test_e2e_lora.py's). Apps are built over the
 shared in-process engine; its adapters are removed again at the end.
 """
@@ -15,7 +15,6 @@ import json
 import os
 
 import httpx
-import numpy as np
 import openai
 import pytest
 
@@ -24,35 +23,15 @@ from inprocess_app import error_of
 from jaxllm import SamplingParams
 from jaxllm.entrypoints.openai.api_server import build_app
 from jaxllm.lora.request import LoRARequest
-from jaxllm.models.safetensors_io import save_file
+from lora_adapters import write_random_adapter
 
 GREEDY = dict(max_tokens=5, temperature=0.0)
-
-
-def write_adapter(path, seed: int, r: int = 4) -> str:
-    """A PEFT-format adapter of q_proj and down_proj on every layer, B != 0."""
-    c = TINY_CONFIG
-    rng = np.random.default_rng(seed)
-    dims = {"self_attn.q_proj": (c["hidden_size"], c["num_attention_heads"] * c["head_dim"]),
-            "mlp.down_proj": (c["intermediate_size"], c["hidden_size"])}
-    tensors = {}
-    for layer in range(c["num_hidden_layers"]):
-        for module, (k, n) in dims.items():
-            key = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{key}.lora_A.weight"] = rng.normal(0, 0.3, (r, k)).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.3, (n, r)).astype(np.float32)
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
-                   "target_modules": ["q_proj", "down_proj"]}, f)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
 def adapter_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("server_loras")
-    return [write_adapter(root / f"a{i}", seed=i) for i in range(3)]
+    return [write_random_adapter(root / f"a{i}", TINY_CONFIG, seed=i) for i in range(3)]
 
 
 @pytest.fixture
