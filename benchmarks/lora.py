@@ -83,14 +83,18 @@ def main():
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="compile buckets as they come (a quick check of the script)")
     args = ap.parse_args()
 
     from jaxllm import LLM, SamplingParams
     from jaxllm.lora.request import LoRARequest
 
     engine_args = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                       seed=0)
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       enforce_eager=args.enforce_eager, seed=0)
     base = LLM(**engine_args)
     cfg = base.llm_engine.model_config
     prompts, outs = make_workload(args.n, args.input_len, args.output_len,

@@ -76,6 +76,8 @@ def test_served_adapters_listed_and_selected_by_model(lora_app, inprocess_server
         assert list(models) == ["tiny", "sql", "chat"]
         assert models["sql"].parent == models["chat"].parent == "tiny"
         assert models["sql"].root == adapter_dirs[0]
+        one = await client.models.retrieve("chat")
+        assert (one.id, one.parent, one.root) == ("chat", "tiny", adapter_dirs[1])
         got = {}
         for name in ("tiny", "sql", "chat"):
             c = await client.completions.create(model=name, prompt="Hello", logprobs=0,

@@ -61,9 +61,18 @@ def register_lora_modules(engine, modules: list[dict], base_names: list[str]) ->
 
 def lora_cards(engine, base_name: str) -> list[dict]:
     """/v1/models entries of the adapters (vLLM's: root is the path, parent the base)."""
-    return [{"id": lr.lora_name, "object": "model", "created": 0, "owned_by": "jaxllm",
-             "root": lr.lora_path, "parent": lr.base_model_name or base_name}
-            for lr in engine.engine.lora_manager.list_loras()]
+    return [_card(lr, base_name) for lr in engine.engine.lora_manager.list_loras()]
+
+
+def lora_card(engine, name: str, base_name: str) -> dict | None:
+    """/v1/models/{name} of an adapter (None: `name` is no adapter)."""
+    lora = engine.engine.lora_manager.get_lora(name)
+    return None if lora is None else _card(lora, base_name)
+
+
+def _card(lora: LoRARequest, base_name: str) -> dict:
+    return {"id": lora.lora_name, "object": "model", "created": 0, "owned_by": "jaxllm",
+            "root": lora.lora_path, "parent": lora.base_model_name or base_name}
 
 
 class LoadLoRAAdapterRequest(BaseModel):
