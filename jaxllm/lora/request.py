@@ -53,8 +53,10 @@ class LoRARequest:
 
 
 def lora_request_of(params) -> LoRARequest | None:
-    """The adapter a request's SamplingParams carry (None: the base model)."""
-    return (getattr(params, "extra_args", None) or {}).get(LORA_REQUEST_KEY)
+    """The adapter a request's SamplingParams carry (None: the base model; extra_args that
+    is no dict is the processor's error to report)."""
+    extra = getattr(params, "extra_args", None)
+    return extra.get(LORA_REQUEST_KEY) if isinstance(extra, dict) else None
 
 
 def with_lora_request(params, lora_request: LoRARequest | None):
@@ -64,7 +66,10 @@ def with_lora_request(params, lora_request: LoRARequest | None):
     if not isinstance(lora_request, LoRARequest):
         raise ValueError(f"lora_request must be a jaxllm.lora.request.LoRARequest or None, "
                          f"got {type(lora_request).__name__}")
-    extra = dict(getattr(params, "extra_args", None) or {})
+    extra = getattr(params, "extra_args", None)
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"extra_args must be a dict, got {type(extra).__name__}")
+    extra = dict(extra or {})
     extra[LORA_REQUEST_KEY] = lora_request
     copy = params.clone()
     copy.extra_args = extra
