@@ -53,6 +53,7 @@ from jaxllm.engine.processor import FanOut, ProcessedRequest, PromptInput, parse
 from jaxllm.engine.request_ids import RequestIds
 from jaxllm.engine.sleep import SLEEP_LEVELS
 from jaxllm.llm_engine import LLMEngine
+from jaxllm.lora.request import LoRARequest, with_lora_request
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -169,21 +170,24 @@ class AsyncLLM:
 
     async def add_requests(self, prompts: Sequence, sampling_params: SamplingParams | None = None,
                            request_ids: Sequence[str | None] | None = None, priority: int = 0,
-                           *, check: Callable[[ProcessedRequest], None] | None = None
-                           ) -> list[RequestStream]:
+                           *, check: Callable[[ProcessedRequest], None] | None = None,
+                           lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """Check, tokenize and queue several requests sharing their parameters, all or
         nothing: -> one RequestStream each, in order. Bad input or an id already in flight
         raises ValueError before anything is queued. priority: lower is served first (needs
         scheduling_policy="priority" unless 0). check: the caller's own admission rule (the
         server's context-fit check), run on each request once it is tokenized, on the input
-        thread and before anything is queued; it raises ValueError to refuse."""
+        thread and before anything is queued; it raises ValueError to refuse. lora_request:
+        the adapter of every request (jaxllm/lora/), loaded and checked before queuing."""
         self._check_alive()
         if self._sleeping:
             raise EngineSleepingError("the engine is sleeping: POST /wake_up first")
         prompts = [p if isinstance(p, PromptInput) else parse_prompt(p) for p in prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = with_lora_request(
+            sampling_params if sampling_params is not None else SamplingParams(), lora_request)
         request_ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
         processor = self.engine.processor
+        await self.offload(self.engine.lora_manager.check, params)
 
         def process(prompt: PromptInput) -> ProcessedRequest:
             request = processor.process(prompt, params, priority=priority)
@@ -210,13 +214,15 @@ class AsyncLLM:
         return RequestStream(self, request.request_id, replica, channel)
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (per its `output_kind`). The prompt is a str, a
         {"prompt"} / {"prompt_token_ids"} dict, or a PromptInput. Bad input raises ValueError
         here, before anything is queued. Cancelling the consumer aborts the request.
         priority: lower is served first (needs scheduling_policy="priority" unless 0)."""
-        stream, = await self.add_requests([prompt], sampling_params, [request_id], priority)
+        stream, = await self.add_requests([prompt], sampling_params, [request_id], priority,
+                                          lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -238,13 +244,14 @@ class AsyncLLM:
     async def chat(self, messages, sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, *, chat_template: str | None = None,
                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                   chat_template_kwargs: dict[str, Any] | None = None, priority: int = 0
-                   ) -> AsyncIterator[RequestOutput]:
+                   chat_template_kwargs: dict[str, Any] | None = None, priority: int = 0,
+                   lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """`generate` on one conversation rendered by the model's chat template."""
         self._check_alive()
         prompt = await self.render_chat(messages, chat_template, add_generation_prompt,
                                         continue_final_message, chat_template_kwargs)
-        async for out in self.generate(prompt, sampling_params, request_id, priority):
+        async for out in self.generate(prompt, sampling_params, request_id, priority,
+                                       lora_request=lora_request):
             yield out
 
     async def abort(self, request_id) -> None:

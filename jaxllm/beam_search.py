@@ -148,15 +148,22 @@ class BeamSearch:
             candidates.sort(key=self.score, reverse=True)
             instance.beams = candidates[:self.params.beam_width]
 
-    def run(self, prompts, generate) -> list[_Instance]:
-        """generate(list of {"prompt_token_ids"}, params) -> one RequestOutput each."""
+    def run(self, prompts, generate, lora_request=None) -> list[_Instance]:
+        """generate(list of {"prompt_token_ids"}, params, lora_request) -> one RequestOutput
+        each. lora_request: one LoRARequest, or one per prompt (its beams run with it)."""
         instances = self.start(prompts)
+        per_prompt = isinstance(lora_request, (list, tuple))
+        if per_prompt and len(lora_request) != len(instances):
+            raise ValueError(f"The lengths of prompts ({len(instances)}) and lora_request "
+                             f"({len(lora_request)}) must be the same.")
         for _ in range(self.params.max_tokens):
             beams = self.step_prompts(instances)
             if not beams:
                 break
+            loras = ([lr for i, lr in zip(instances, lora_request) for _ in i.beams]
+                     if per_prompt else lora_request)
             self.advance(instances, beams, generate(
-                [{"prompt_token_ids": b.tokens} for b in beams], self.step_params))
+                [{"prompt_token_ids": b.tokens} for b in beams], self.step_params, loras))
         return instances
 
     def _expand(self, instance: _Instance, beam: BeamSearchSequence,
@@ -193,20 +200,23 @@ class BeamSearch:
 
 
 def _generate(llm):
-    return lambda prompts, params: llm.generate(prompts, params, use_tqdm=False)
+    return lambda prompts, params, loras: llm.generate(prompts, params, use_tqdm=False,
+                                                       lora_request=loras)
 
 
-def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None
+                ) -> list[BeamSearchOutput]:
     search = BeamSearch(llm.llm_engine, params)
-    return [BeamSearchOutput(search.finish(i)) for i in search.run(prompts, _generate(llm))]
+    return [BeamSearchOutput(search.finish(i))
+            for i in search.run(prompts, _generate(llm), lora_request)]
 
 
-def beam_search_request_outputs(llm, prompts, params: BeamSearchParams
+def beam_search_request_outputs(llm, prompts, params: BeamSearchParams, lora_request=None
                                 ) -> list[RequestOutput]:
     """`LLM.generate(prompts, BeamSearchParams)`: one RequestOutput per prompt whose `outputs`
     are its beams, best first (token_ids and logprobs of the generated part only)."""
     search = BeamSearch(llm.llm_engine, params)
-    return request_outputs(search, search.run(prompts, _generate(llm)))
+    return request_outputs(search, search.run(prompts, _generate(llm), lora_request))
 
 
 def request_outputs(search: BeamSearch, instances: list[_Instance]) -> list[RequestOutput]:

@@ -18,6 +18,7 @@ import logging
 
 from jaxllm.cache import AUTO
 from jaxllm.kernels import ATTENTION_BACKENDS, LINEAR_BACKENDS
+from jaxllm.lora.config import lora_config_of
 from jaxllm.research.requests import ResearchConfig
 from jaxllm.sampling_params import LOGPROBS_MODES
 from jaxllm.scheduling_policy import SCHEDULING_POLICIES
@@ -100,6 +101,13 @@ class EngineConfig:
     # Speculative decoding (jaxllm/spec_decode/): a SpeculativeConfig or a dict of vLLM's
     # speculative_config fields, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA (jaxllm/lora/, vLLM's names and defaults): adapters per step (device slots),
+    # their largest rank, adapters kept in host memory (None: max_loras), their dtype.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -121,6 +129,7 @@ class EngineConfig:
                              f"dict of its fields or None, got {type(so).__name__}")
         if isinstance(self.research, dict):
             object.__setattr__(self, "research", ResearchConfig(**self.research))
+        lora_config_of(self)  # the LoRA arguments' checks (ValueError)
         if self.research is not None and not isinstance(self.research, ResearchConfig):
             raise ValueError(f"research must be a jaxllm.research.ResearchConfig, a dict of "
                              f"its fields or None, got {type(self.research).__name__}")

@@ -24,6 +24,8 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.pooling import offline as pooling
 from jaxllm.pooling.config import runner_and_convert, wants_pooling_runner
 from jaxllm.pooling.engine import PoolingEngine
+from jaxllm.lora.manager import apply_lora_requests
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -99,36 +101,43 @@ class LLM:
 
     def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True, *,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: int | Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest] | None = None
+                 ) -> list[RequestOutput]:
         """prompts: a str, a {"prompt_token_ids": [...]} (or {"prompt": ...}) dict, or a list of
         those. The older keyword form `prompt_token_ids=[[...], ...]` is accepted too.
         priority: one int for every prompt, or one per prompt; lower is served first; needs
-        scheduling_policy="priority" unless all are 0."""
+        scheduling_policy="priority" unless all are 0. lora_request: a LoRARequest for every
+        prompt, or one per prompt (needs enable_lora=True)."""
         self._require("generate", "LLM.generate()")
         if isinstance(sampling_params, BeamSearchParams):
             if prompt_token_ids is not None or priority is not None:
                 raise ValueError("beam search takes prompts only (no prompt_token_ids= or "
                                  "priority=)")
-            return beam_search_request_outputs(self, prompts, sampling_params)
+            return beam_search_request_outputs(self, prompts, sampling_params, lora_request)
         parsed = parse_prompts(prompts, prompt_token_ids)
-        params = broadcast_params(sampling_params, len(parsed))
+        params = apply_lora_requests(broadcast_params(sampling_params, len(parsed)),
+                                     lora_request)
         return self._run(parsed, params, use_tqdm, _priorities(priority, len(parsed)))
 
-    def beam_search(self, prompts, params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request: LoRARequest | Sequence[LoRARequest] | None = None
+                    ) -> list[BeamSearchOutput]:
         """vLLM's beam search: one BeamSearchOutput per prompt, its beams best first
         (jaxllm/beam_search.py). Beams share KV blocks through the prefix cache."""
         self._require("generate", "LLM.beam_search()")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        return beam_search(self, prompts, params)
+        return beam_search(self, prompts, params, lora_request)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None,
-             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+             priority: int | Sequence[int] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest] | None = None
+             ) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
         tools: OpenAI's tool definitions, given to the chat template as `tools`. priority: as
         generate's, one int or one per conversation."""
@@ -136,8 +145,9 @@ class LLM:
         prompts = self.llm_engine.processor.render_chat(
             messages, chat_template, add_generation_prompt, continue_final_message,
             chat_template_kwargs, tools)
-        return self._run(prompts, broadcast_params(sampling_params, len(prompts)), use_tqdm,
-                         _priorities(priority, len(prompts)))
+        params = apply_lora_requests(broadcast_params(sampling_params, len(prompts)),
+                                     lora_request)
+        return self._run(prompts, params, use_tqdm, _priorities(priority, len(prompts)))
 
     # ---- pooling (jaxllm/pooling/offline.py) ---------------------------------------------
 

@@ -35,6 +35,7 @@ from jaxllm.engine.stat_logger import LoggingStatLogger
 from jaxllm.engine.structured_output import StructuredOutputManager
 from jaxllm.kernels.backends import select_backend
 from jaxllm.kernels.linear_methods import select_linear_method
+from jaxllm.lora.manager import make_lora_manager
 from jaxllm.metrics import EngineMetrics, cache_config_info
 from jaxllm.models.auto_dtype import (AutoDtypeVerdict, GemmShapes, auto_dtype_verdict,
                                       log_once, verdict_cache_path)
@@ -159,6 +160,8 @@ class LLMEngine:
                                                            num_heads=mcfg.num_attention_heads,
                                                            head_dim=mcfg.head_dim))
 
+        # LoRA adapters (jaxllm/lora/manager.py): its step feature, or nothing when disabled.
+        self.lora_manager = make_lora_manager(config, model, config.max_num_seqs, dtype)
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.
         buckets = BucketConfig.create(config.max_num_batched_tokens, config.max_num_seqs,
@@ -181,7 +184,8 @@ class LLMEngine:
                                                          vocab_size=mcfg.vocab_size)
                              + spec_decode_features(config.speculative_config,
                                                     config.max_num_seqs, mcfg.vocab_size,
-                                                    config.max_logprobs))
+                                                    config.max_logprobs)
+                             + self.lora_manager.features)
         del model
         # The figures behind num_blocks on an accelerator (None where the config or the CPU
         # default decides). Each process reads its own devices.
@@ -205,7 +209,8 @@ class LLMEngine:
                               spec_decoding=make_spec_scheduling(
                                   config.speculative_config, kv_cache_manager,
                                   config.max_model_len, config.logprobs_mode,
-                                  config.max_num_batched_tokens))
+                                  config.max_num_batched_tokens),
+                              max_loras=self.lora_manager.max_loras)
         self.model_runner = runner
 
         def reload_state():  # sleep level 2's wake_up: the same load as above
@@ -324,6 +329,8 @@ class LLMEngine:
         self.process_group.check_leader()  # before any id is taken
         request_ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
         priorities = list(priorities) if priorities is not None else [0] * len(prompts)
+        for sp in params:
+            self.lora_manager.check(sp)  # a bad or disabled adapter: ValueError, nothing queued
         processed: list[ProcessedRequest] = [
             self.processor.process(p, sp, output_kind, priority)
             for p, sp, priority in zip(prompts, params, priorities, strict=True)]
@@ -435,7 +442,8 @@ class LLMEngine:
         return self.sleep_mode.is_sleeping
 
     def get_metrics(self):
-        return self.metrics.snapshot(self.scheduler.make_stats())
+        return (self.metrics.snapshot(self.scheduler.make_stats())
+                + self.lora_manager.metrics(self.scheduler))
 
     def shutdown(self) -> None:
         """With several processes: tell the followers to stop (also done at exit). The

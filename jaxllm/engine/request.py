@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from jaxllm.engine.block_hash import BlockHash, extend_block_hashes
+from jaxllm.lora.request import cache_extra_keys as lora_cache_keys
 from jaxllm.research.requests import cache_extra_keys as research_cache_keys
 
 # The key of SamplingParams.extra_args that holds a request's cache_salt (vLLM's request
@@ -175,9 +176,10 @@ class Request:
         """What besides the tokens a cached block must match: the request's steering
         vectors (jaxllm/research/requests.py), so a steered request's KV never serves a
         plain one, and its cache_salt, so that salted requests share blocks only with the
-        same salt (a LoRA id will go here)."""
+        same salt, and its LoRA adapter, so an adapter's KV serves only that adapter."""
         salt = (getattr(self.sampling_params, "extra_args", None) or {}).get(CACHE_SALT_KEY)
-        keys = research_cache_keys(self.sampling_params)
+        keys = (research_cache_keys(self.sampling_params)
+                + lora_cache_keys(self.sampling_params))
         return keys if salt is None else (*keys, ("cache_salt", salt))
 
     @property

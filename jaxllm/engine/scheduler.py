@@ -62,6 +62,7 @@ from jaxllm.engine.request_failures import FAILED, RequestFailures
 from jaxllm.engine.request_queue import create_request_queue
 from jaxllm.engine.scheduler_invariants import check_invariants
 from jaxllm.engine.structured_output import StructuredOutputManager
+from jaxllm.lora.scheduling import admits_lora
 from jaxllm.spec_decode.scheduling import NoSpecDecoding, rows_for
 from jaxllm.messages import (
     CachedRequestData,
@@ -82,6 +83,7 @@ class Scheduler:
         policy: str = "fcfs",
         structured_output_manager: StructuredOutputManager | None = None,
         spec_decoding: NoSpecDecoding | None = None,
+        max_loras: int | None = None,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -99,6 +101,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_loras = max_loras  # distinct adapters running at once (None: no LoRA)
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         # WAITING or PREEMPTED, in the order they will be scheduled (the policy's).
@@ -262,7 +265,8 @@ class Scheduler:
             ready = self.failures.guard(request, self._grammar_ready, request)
             if ready is FAILED:
                 continue  # its grammar failed to compile: it has left `waiting`
-            if not ready:
+            # Stepped over too: an adapter beyond max_loras (jaxllm/lora/scheduling.py).
+            if not ready or not admits_lora(request, self.running, self.max_loras):
                 waiting_for_fsm.append(self.waiting.pop_request())
                 continue
             planned = self.failures.guard(request, self._plan_waiting, request, token_budget)

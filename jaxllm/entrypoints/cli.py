@@ -39,7 +39,8 @@ SERVER_DEFAULTS = dict(host="0.0.0.0", port=8000, api_key=None, served_model_nam
                        root_path=None, ssl_keyfile=None, ssl_certfile=None, ssl_ca_certs=None,
                        ssl_cert_reqs=0, ssl_ciphers=None, allowed_origins=None,
                        allowed_methods=None, allowed_headers=None, allow_credentials=False,
-                       disable_fastapi_docs=False, h11_max_incomplete_event_size=None)
+                       disable_fastapi_docs=False, h11_max_incomplete_event_size=None,
+                       lora_modules=None)
 
 
 def _flag_bool(s: str) -> bool:
@@ -96,6 +97,9 @@ _SERVER_FLAGS = {  # the server's own flags (dest -> argparse options); bools ar
     "allowed_origins": dict(type=json.loads), "allowed_methods": dict(type=json.loads),
     "allowed_headers": dict(type=json.loads), "allow_credentials": {},
     "disable_fastapi_docs": {}, "h11_max_incomplete_event_size": dict(type=int),
+    "lora_modules": dict(nargs="+", help='LoRA adapters served by name: name=path, or JSON '
+                                         '{"name", "path", "base_model_name"} (needs '
+                                         "--enable-lora)"),
 }
 _SERVER_BOOLS = {k for k, v in SERVER_DEFAULTS.items() if isinstance(v, bool)}
 
@@ -237,7 +241,7 @@ def serve(argv: list[str]) -> None:
         max_completion_prompts=server["max_completion_prompts"],
         enable_auto_tools=server["enable_auto_tool_choice"],
         tool_parser=server["tool_call_parser"],
-        frontend=FrontendOptions.from_settings(server))
+        frontend=FrontendOptions.from_settings(server), lora_modules=server["lora_modules"])
     # What startup built (weights, compiled steps, tokenizer: a large heap that lives as
     # long as the server) leaves the collector's view: otherwise every oldest-generation
     # collection walks all of it, a pause of hundreds of milliseconds on the event loop

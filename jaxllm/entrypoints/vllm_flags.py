@@ -37,7 +37,7 @@ _TABLE = """
 --enable-log-requests,--no-enable-log-requests bool  noop          jaxllm does not log requests; errors are logged with their traceback
 [Frontend]
 --disable-frontend-multiprocessing,--no-disable-frontend-multiprocessing bool  noop          vLLM's process layout (earlier vLLM); jaxllm's server is one process
---lora-modules                               list  only=         LoRA adapters are not supported yet (a later issue)
+--lora-modules                               list  impl
 --chat-template                              value impl
 --chat-template-content-format               value only=auto     jaxllm passes message content as given to the template
 --trust-request-chat-template,--no-trust-request-chat-template bool  impl
@@ -275,19 +275,19 @@ _TABLE = """
 --mm-ipc-gpu-memory-gb                       value noop          jaxllm serves no multimodal models
 --mm-device-do-normalize,--no-mm-device-do-normalize bool  noop          jaxllm serves no multimodal models
 [LoRAConfig]
---enable-lora,--no-enable-lora               bool  only=false    LoRA is not supported yet (a later issue)
---max-loras                                  value noop          LoRA is not supported yet (--enable-lora is refused)
---max-lora-rank                              value noop          LoRA is not supported yet (--enable-lora is refused)
---lora-dtype                                 value noop          LoRA is not supported yet (--enable-lora is refused)
---enable-tower-connector-lora,--no-enable-tower-connector-lora bool  noop          LoRA is not supported yet (--enable-lora is refused)
---max-cpu-loras                              value noop          LoRA is not supported yet (--enable-lora is refused)
---fully-sharded-loras,--no-fully-sharded-loras bool  noop          LoRA is not supported yet (--enable-lora is refused)
---lora-target-modules                        list  noop          LoRA is not supported yet (--enable-lora is refused)
---default-mm-loras                           value noop          LoRA is not supported yet (--enable-lora is refused)
---specialize-active-lora,--no-specialize-active-lora bool  noop          LoRA is not supported yet (--enable-lora is refused)
---enable-mixed-moe-lora-format,--no-enable-mixed-moe-lora-format bool  noop          LoRA is not supported yet (--enable-lora is refused)
---enable-moe-shared-loras,--no-enable-moe-shared-loras bool  noop          LoRA is not supported yet (--enable-lora is refused)
---max-lora-cls-labels                        value noop          LoRA is not supported yet (--enable-lora is refused)
+--enable-lora,--no-enable-lora               bool  impl
+--max-loras                                  value impl
+--max-lora-rank                              value impl
+--lora-dtype                                 value impl
+--enable-tower-connector-lora,--no-enable-tower-connector-lora bool  noop          not supported (jaxllm's LoRA covers dense q/k/v/o/gate/up/down)
+--max-cpu-loras                              value impl
+--fully-sharded-loras,--no-fully-sharded-loras bool  noop          not supported (jaxllm's LoRA covers dense q/k/v/o/gate/up/down)
+--lora-target-modules                        list  only=         not supported: an adapter applies to every module it targets
+--default-mm-loras                           value noop          not supported (jaxllm's LoRA covers dense q/k/v/o/gate/up/down)
+--specialize-active-lora,--no-specialize-active-lora bool  noop          not supported (jaxllm's LoRA covers dense q/k/v/o/gate/up/down)
+--enable-mixed-moe-lora-format,--no-enable-mixed-moe-lora-format bool  noop          not supported (jaxllm's LoRA covers dense q/k/v/o/gate/up/down)
+--enable-moe-shared-loras,--no-enable-moe-shared-loras bool  noop          not supported (jaxllm's LoRA covers dense q/k/v/o/gate/up/down)
+--max-lora-cls-labels                        value noop          not supported (jaxllm's LoRA covers dense q/k/v/o/gate/up/down)
 [LoggingConfig]
 --logging-config                             value only=         configure the 'jaxllm' logger in Python
 --log-level                                  value noop          jaxllm logs at INFO; see --uvicorn-log-level

@@ -3,7 +3,11 @@ stream (jaxllm/runner/step_features.py owns the features themselves).
 
 Owns `StepHooks`, the trace-time object a model calls at each point: `hooks.at(site, layer,
 x_TD) -> x_TD` (sites: jaxllm/research/requests.py; and "logits", the step's [S, V]
-logits of the sequences that sample, before the sampler). It holds the features of one traced
+logits of the sequences that sample, before the sampler). A dense projection is a point too:
+`hooks.project(module, x_TK, y_TN) -> y_TN` (called by models/parallel.py ParallelOps for
+every linear layer, so the models need no change) gives the features the layer's input and
+output under its name and layer ("q_proj", 3: the last part of its module path and the
+first index in it, `bind(model)`). It holds the features of one traced
 step, the per-slot tables they read, each row's slot, and what they record for the step's
 outputs. `NO_HOOKS` (no features) is the identity: a model traced with it compiles to the
 program it would be without hooks. Never knows what a feature does.
@@ -30,6 +34,23 @@ class StepHooks:
         self.slot_T = slot_T
         self.slot_S = slot_S
         self.recorded: dict[Any, jax.Array] = {}
+        self.projections: dict[int, tuple[str, int | None]] = {}  # id(module) -> name, layer
+
+    def bind(self, model) -> "StepHooks":
+        """Name the dense layers of this trace's `model` (its modules are new objects each
+        trace); nothing without features."""
+        if self.features:
+            self.projections = projection_names(model)
+        return self
+
+    def project(self, module, x_TK: jax.Array, y_TN: jax.Array) -> jax.Array:
+        """A dense layer's output y_TN, as the features change it from its input x_TK."""
+        named = self.projections.get(id(module))
+        if named is None:
+            return y_TN
+        for feature in self.features:
+            y_TN = feature.project(named[0], named[1], x_TK, y_TN, self)
+        return y_TN
 
     def at(self, site: str, layer: int | None, x_TD: jax.Array) -> jax.Array:
         for feature in self.features:
@@ -51,6 +72,19 @@ class StepHooks:
             if value is not None:
                 out[feature.name] = value
         return out
+
+
+def projection_names(model) -> dict[int, tuple[str, int | None]]:
+    """id(module) -> (name, layer) of each nnx.Linear of `model`: its path's last part and
+    first integer ("model.layers.3.self_attn.q_proj" -> ("q_proj", 3))."""
+    from flax import nnx
+
+    names = {}
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.Linear) and path:
+            layer = next((p for p in path if isinstance(p, int)), None)
+            names[id(module)] = (str(path[-1]), layer)
+    return names
 
 
 NO_HOOKS = StepHooks()

@@ -25,7 +25,8 @@ it gathered the whole table onto every device. Here:
              the whole routed batch; one all-reduce [T, D] sums the devices, in the
              compute dtype.
 
-With a mesh of one device (or none) each op is the plain unsharded one, through the linear
+Every dense layer's output passes `hooks.project` (the step's features, e.g. LoRA; the
+identity without). With a mesh of one device (or none) each op is the plain unsharded one, through the linear
 method. Never holds state and never decides a layout (models/tp_layout.py does); under a mesh
 the linear method is "xla" (the partitioner's layout), anything else is a ValueError.
 """
@@ -40,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.kernels.backends import TP_AXIS, AttentionLayer, get_backend
 from jaxllm.kernels.linear_methods import LinearMethod, get_linear_method
+from jaxllm.models.hooks import NO_HOOKS, StepHooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,9 @@ class ParallelOps:
     # through its process_weights_after_loading (LlamaForCausalLM does it).
     linear_method: LinearMethod = dataclasses.field(
         default_factory=lambda: get_linear_method("xla"))
+    # The step's features at each dense layer (StepHooks.project; the step sets them per
+    # trace): with none, every linear is the plain one.
+    hooks: StepHooks = NO_HOOKS
 
     def __post_init__(self):
         if self._mesh is not None and self.linear_method.name != "xla":
@@ -67,7 +72,7 @@ class ParallelOps:
 
     def linear(self, layer, x_TK):
         """A column-parallel (or unsharded) linear layer: XLA's partitioner splits it."""
-        return self.linear_method.apply(layer, x_TK)
+        return self.hooks.project(layer, x_TK, self.linear_method.apply(layer, x_TK))
 
     def embed(self, table_VD, ids_T, features: int):
         """Rows of the embedding `table_VD` [V, D = features] at ids_T [T] -> [T, D] in the
@@ -126,6 +131,9 @@ class ParallelOps:
         after the sum."""
         if self._mesh is None:
             return self.linear(linear, x_TF)
+        return self.hooks.project(linear, x_TF, self._row_parallel(linear, x_TF))
+
+    def _row_parallel(self, linear, x_TF):
 
         def partial_sum(x_Tf, w_fD):
             y_TD = jnp.einsum("tf,fd->td", x_Tf, w_fD, preferred_element_type=jnp.float32)

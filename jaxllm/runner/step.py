@@ -102,8 +102,9 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
         known_T = token_ids_RL.at[bm.slot_T, md.positions].get(mode="fill", fill_value=0)
         input_ids_T = jnp.where(bm.from_device_T, known_T, md.input_ids)
         token_ids_RL = token_ids_RL.at[bm.slot_T, md.positions].set(input_ids_T, mode="drop")
-        hooks = StepHooks(features, rows, bm.slot_T, bm.slot_S)
-        hidden_TD, kv_caches = model(md.replace(input_ids=input_ids_T), kv_caches, ops, hooks)
+        hooks = StepHooks(features, rows, bm.slot_T, bm.slot_S).bind(model)
+        hidden_TD, kv_caches = model(md.replace(input_ids=input_ids_T), kv_caches,
+                                     dataclasses.replace(ops, hooks=hooks), hooks)
         logits_SV = model.compute_logits(hidden_TD[bm.logits_indices_S], ops)  # f32
         logits_SV = hooks.at("logits", None, logits_SV)  # e.g. grammar bitmasks
 

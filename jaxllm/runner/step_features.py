@@ -21,6 +21,9 @@ features through one traced step. A feature is one object with three parts (STYL
                                      at the "sampled" point, after the sampler: the step's
                                      hidden states, logits function, metadata and sample
                                      (runner/step.py SampledStep); records into hooks.recorded
+              project(name, layer, x_TK, y_TN, hooks)
+                                     at a dense layer (models/hooks.py StepHooks.project):
+                                     its input and output; returns y_TN (e.g. LoRA)
               step_output(hooks)     an extra output of the step (None: none)
     host      collect(record, value) req_id -> what the request gets from this step (value:
                                      the step_output, still on the device: a feature copies
@@ -75,6 +78,9 @@ class StepFeature:
 
     def after_sampling(self, step, hooks: StepHooks) -> None:
         pass
+    def project(self, name: str, layer: int | None, x_TK: jax.Array, y_TN: jax.Array,
+                hooks: StepHooks) -> jax.Array:
+        return y_TN
 
     def step_output(self, hooks: StepHooks) -> Any:
         return None

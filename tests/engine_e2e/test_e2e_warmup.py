@@ -6,7 +6,8 @@
   ops and jits outside the runner's bookkeeping).
 
 The listener is shown to work in the same test: compiling one shape outside the buckets
-afterwards is counted.
+afterwards is counted. The engine serves LoRA (max_loras=1): adapters loaded and swapped
+into its one device slot while serving compile nothing either.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from jax import monitoring
 
 from jaxllm import SamplingParams, StructuredOutputsParams
+from jaxllm.lora.request import LoRARequest
 
 COMPILE_EVENT_PREFIX = "/jax/core/compile/"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -41,17 +43,28 @@ def jax_compile_events():
 
 
 @pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> list[LoRARequest]:
+    """Two random PEFT-format adapters of the tiny model."""
+    from lora_adapters import write_random_adapter
+    from tiny_model import TINY_CONFIG
+
+    root = tmp_path_factory.mktemp("warm_loras")
+    return [LoRARequest(f"a{i}", i, write_random_adapter(root / f"a{i}", TINY_CONFIG, seed=i,
+                                                          r=4 * i)) for i in (1, 2)]
+
+
+@pytest.fixture(scope="module")
 def warm_llm(make_tiny_llm):
     t0 = time.perf_counter()
     llm = make_tiny_llm(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-                        enforce_eager=False)
+                        enforce_eager=False, enable_lora=True, max_loras=1)
     engine = llm.llm_engine
     print(f"\nwarm-up: {engine.runner.num_compiles} compiles in {engine.warmup_seconds:.1f} s "
           f"(LLM() total {time.perf_counter() - t0:.1f} s)")
     return llm
 
 
-def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
+def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer, adapters):
     runner = warm_llm.llm_engine.runner
     # One program per token bucket (2, 4, 8, 16, 32) at one width (64 // 16 = 4 blocks):
     # sampling and prompt logprobs run inside the step.
@@ -59,8 +72,9 @@ def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
     # Beside the steps: the block copy and the history row upload, and one program per
     # upload bucket of the per-slot device rows: block tables (4), bad words (16, 64, 256,
     # 512), allowed-token bits (1, 2, 4 rows), logit biases (1, 2, 4 rows), grammar
-    # bitmasks (1, 2, 4 rows).
-    assert runner.num_compiles == 5 + 2 + 1 + 4 + 3 + 3 + 3
+    # bitmasks (1, 2, 4 rows), LoRA: each request's adapter slot (1, 2, 4 rows) and the 14
+    # weight tables (7 targets x A, B; one adapter per upload).
+    assert runner.num_compiles == 5 + 2 + 1 + 4 + 3 + 3 + 3 + 3 + 14
     compiled = runner.num_compiles
     long_prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 5)["input_ids"]
     assert 32 < len(long_prompt) < 64  # chunked prefill under the 32-token budget
@@ -84,8 +98,10 @@ def test_generate_after_warmup_compiles_nothing(warm_llm, tokenizer):
         SamplingParams(n=3, temperature=1.0, max_tokens=8, structured_outputs=(
             StructuredOutputsParams(choice=["red", "green", "blue"]))),
     ]
+    # Two adapters for one device slot: loaded, written and swapped while serving.
+    loras = [adapters[0], None, adapters[1], None, adapters[0], None, None, None, None]
     with jax_compile_events() as events:
-        outputs = warm_llm.generate(prompts, params, use_tqdm=False)
+        outputs = warm_llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert [len(o.outputs) for o in outputs] == [1, 1, 1, 1, 1, 2, 1, 1, 3]
     assert all(c.text in ("red", "green", "blue") for c in outputs[-1].outputs)
     assert runner.num_compiles == compiled

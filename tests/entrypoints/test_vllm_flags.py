@@ -40,7 +40,7 @@ def test_the_table_is_vllms_parser_in_its_groups():
     assert len(names) == len(set(names))
     counts = {kind: sum(f.kind == kind for f in VLLM_FLAGS) for kind in ("impl", "noop", "only")}
     refused_always = sum(f.kind == "only" and f.accepted == "" for f in VLLM_FLAGS)
-    assert counts == {"impl": 62, "noop": 158, "only": 97}, counts
+    assert counts == {"impl": 68, "noop": 153, "only": 96}, counts
     assert refused_always == 47
 
 
@@ -69,8 +69,9 @@ def test_refusals_name_the_flag_the_value_and_why():
     with pytest.raises(SystemExit, match=r"--api-server-count 2: jaxllm runs one API server "
                                          r"process \(only 1 is accepted\)"):
         resolve_args(["--api-server-count", "2"])
-    with pytest.raises(SystemExit, match=r"--enable-lora true: LoRA is not supported yet"):
-        resolve_args(["--enable-lora"])
+    with pytest.raises(SystemExit, match=r"--lora-target-modules x: not supported: an "
+                                         r"adapter applies to every module it targets"):
+        resolve_args(["--lora-target-modules", "x"])
     with pytest.raises(SystemExit, match=r"--no-enable-chunked-prefill|--enable-chunked-"
                                          r"prefill false: prefill is always chunked"):
         resolve_args(["--no-enable-chunked-prefill"])
@@ -119,9 +120,21 @@ def test_a_config_file_takes_vllm_keys_too(tmp_path):
                       "enable_sleep_mode: true\n")
     server, _ = resolve_args(["--config", str(config)])
     assert server["enable_sleep_mode"] is True and len(server["notes"]) == 2
-    config.write_text("enable-lora: true\n")
-    with pytest.raises(SystemExit, match="--enable-lora true: LoRA"):
+    config.write_text("api-server-count: 2\n")
+    with pytest.raises(SystemExit, match="--api-server-count 2: jaxllm runs one"):
         resolve_args(["--config", str(config)])
+
+
+def test_lora_flags_reach_the_engine_and_the_server():
+    server, engine = resolve_args([
+        "--enable-lora", "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "8",
+        "--lora-dtype", "bfloat16", "--lora-modules", "a=/p",
+        '{"name": "b", "path": "/q", "base_model_name": "m"}'])
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras,
+            engine.lora_dtype) == (True, 4, 64, 8, "bfloat16")
+    assert server["lora_modules"] == ["a=/p", '{"name": "b", "path": "/q", '
+                                              '"base_model_name": "m"}']
+    assert server["notes"] == []
 
 
 def test_help_lists_the_flags_in_vllms_groups():

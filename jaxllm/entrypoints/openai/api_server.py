@@ -28,6 +28,8 @@ from jaxllm.async_llm import AsyncLLM, EngineDeadError, EngineSleepingError
 from jaxllm.entrypoints.openai.errors import GenerationError
 from jaxllm.entrypoints.openai.frontend import (FrontendOptions, check_prompt_embeds, install,
                                                 load_tracker, model_card)
+from jaxllm.entrypoints.openai.lora_routes import (install_lora_routes, lora_cards,
+                                                   parse_lora_modules, register_lora_modules)
 from jaxllm.entrypoints.openai.metrics import render_metrics
 from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest, error_body)
@@ -84,11 +86,15 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
               max_completion_prompts: int = DEFAULT_MAX_COMPLETION_PROMPTS,
               enable_auto_tools: bool = False, tool_parser: str | None = None,
               frontend: FrontendOptions | None = None,
-              enable_prompt_tokens_details: bool = True) -> FastAPI:
+              enable_prompt_tokens_details: bool = True,
+              lora_modules: list[str] | None = None) -> FastAPI:
     """api_key: one key or several (any of them is accepted); frontend: the optional routes
     and middlewares of vLLM's flags (frontend.py; its return_tokens_as_token_ids is the
-    serving's default); enable_prompt_tokens_details: usage states cached prompt tokens."""
+    serving's default); enable_prompt_tokens_details: usage states cached prompt tokens.
+    lora_modules: --lora-modules (lora_routes.py); a request's `model` may name one."""
     frontend = frontend or FrontendOptions()
+    register_lora_modules(engine, parse_lora_modules(lora_modules), served_model_names)
+    loras = engine.engine.lora_manager
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     serving = OpenAIServing(engine, served_model_names, chat_template,
                             trust_request_chat_template=trust_request_chat_template,
@@ -164,7 +170,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
     def model_name(requested: str | None) -> str:
         if requested is None:
             return served_model_names[0]
-        if requested not in served_model_names:
+        if requested not in served_model_names and loras.get_lora(requested) is None:
             raise APIError(404, f"The model `{requested}` does not exist.", "NotFoundError",
                            "model")
         return requested
@@ -196,7 +202,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card(name, engine, serving.max_model_len)
-                                           for name in served_model_names]}
+                                           for name in served_model_names]
+                + lora_cards(engine, served_model_names[0])}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -229,6 +236,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
 
     install(app, frontend, engine=engine, serving=serving, model_name=model_name,
             completions=completions, chat_completions=chat_completions, api_error=APIError)
+    install_lora_routes(app, engine, served_model_names, APIError)
     return app
 
 

@@ -29,7 +29,7 @@ def beam_params(req, max_tokens: int) -> BeamSearchParams:
 
 
 async def run_beam_search(serving, prompts: list[PromptInput], params: BeamSearchParams,
-                          priority: int) -> list[RequestOutput]:
+                          priority: int, lora_request=None) -> list[RequestOutput]:
     engine = serving.engine
     search = BeamSearch(engine.engine, params)
     instances = await engine.offload(search.start,
@@ -41,7 +41,8 @@ async def run_beam_search(serving, prompts: list[PromptInput], params: BeamSearc
         if not beams:
             break
         streams = await engine.add_requests([PromptInput(None, b.tokens) for b in beams],
-                                            search.step_params, None, priority)
+                                            search.step_params, None, priority,
+                                            lora_request=lora_request)
         try:
             outputs = await asyncio.gather(*[last_output(s) for s in streams])
         finally:
@@ -53,7 +54,7 @@ async def run_beam_search(serving, prompts: list[PromptInput], params: BeamSearc
 
 async def beam_completion(serving, req, prompts, rid, created, model) -> dict:
     finals = await run_beam_search(serving, prompts, beam_params(req, req.max_tokens),
-                                   req.priority)
+                                   req.priority, serving.lora_request(model))
     shape = CompletionShape.of(req, serving.return_tokens_as_token_ids)
     decode = serving.engine.tokenizer.decode
     choices = [whole_choice(shape, i * req.n + c.index, out, c, prompts[i].text, decode)
@@ -66,7 +67,7 @@ async def beam_completion(serving, req, prompts, rid, created, model) -> dict:
 
 async def beam_chat(serving, req, prompt, max_tokens, rid, created, model, role) -> dict:
     out, = await run_beam_search(serving, [prompt], beam_params(req, max_tokens),
-                                 req.priority)
+                                 req.priority, serving.lora_request(model))
     k, as_ids = req.top_logprobs or 0, serving.as_token_ids(req)
     choices = [{"index": c.index, "message": {"role": role, "content": c.text},
                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, k, as_ids,

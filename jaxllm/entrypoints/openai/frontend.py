@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers, MutableHeaders
 
+from jaxllm.entrypoints.openai.lora_routes import lora_card
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 PROMPT_EMBEDS_REFUSED = (
@@ -126,7 +127,9 @@ def install(app: FastAPI, options: FrontendOptions, *, engine, serving, model_na
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
-        return model_card(model_name(model_id), engine, serving.max_model_len)
+        name = model_name(model_id)
+        return (lora_card(engine, name, serving.model_names[0])  # an adapter's, with parent
+                or model_card(name, engine, serving.max_model_len))
 
     @app.post("/invocations")
     async def invocations(request: Request):

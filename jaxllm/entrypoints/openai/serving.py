@@ -70,6 +70,10 @@ class OpenAIServing:
         if self.template_sandbox is not None:
             self.template_sandbox.close()
 
+    def lora_request(self, model: str):
+        """The LoRA adapter a request's `model` names (None: a base model name)."""
+        return self.engine.engine.lora_manager.get_lora(model)
+
     def check_completion(self, req: CompletionRequest):
         """What a completion body can be refused for before tokenizing (a ValueError)."""
         return serving_completion.check_completion(self, req)

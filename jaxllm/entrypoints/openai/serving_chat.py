@@ -166,7 +166,8 @@ async def create_chat_completion(serving, req: ChatCompletionRequest, model: str
                                  prompt_logprobs)
     with errors_named(constraint):
         stream, = await serving.engine.add_requests([prompt], params, [rid], req.priority,
-                                                    check=fits)
+                                                    check=fits,
+                                                    lora_request=serving.lora_request(model))
     as_ids = serving.as_token_ids(req)
     if req.stream:
         return sse_body(_stream_chat(serving, stream, rid, created, model, req, k, as_ids,

@@ -79,7 +79,8 @@ async def create_completion(serving, req: CompletionRequest, model: str):
     with errors_named(constraint):
         streams = await engine.add_requests(
             prompts, params, [f"{rid}-{i}" for i in range(len(prompts))], req.priority,
-            check=functools.partial(serving.check_fits_context, param="max_tokens"))
+            check=functools.partial(serving.check_fits_context, param="max_tokens"),
+            lora_request=serving.lora_request(model))
     decode = engine.tokenizer.decode
     if req.stream:
         return sse_body(_stream(serving, streams, prompts, rid, created, model, req, shape,

@@ -1,0 +1,131 @@
+"""LoRA throughput: the peer workload of benchmarks/throughput.py run four ways in one
+process, and the time to load an adapter.
+
+    base       no adapter (an engine with enable_lora=False: the plain program)
+    1 adapter  every request with the same adapter
+    4 mixed    4 adapters, round robin over the requests (max_loras=4: all fit a step)
+    16 swap    16 adapters, round robin, max_loras=4: adapters wait for a slot and are
+               written into the device slots while serving (swapping)
+
+Adapters are random PEFT-format directories (rank --rank, every target module q/k/v/o/
+gate/up/down, B != 0) written for the model's shapes; nothing is downloaded. Each LoRA mode
+runs once untimed (loads and compiles nothing new after that but the swaps), then
+--repeats timed runs; output tok/s medians are reported with their ratio to base. Load
+time: reading and checking one adapter directory into host memory (jaxllm/lora/peft.py),
+the mean over the 16.
+
+    python benchmarks/lora.py                     # the default model (SmolLM2-135M)
+    python benchmarks/lora.py --n 16 --repeats 1  # a short run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from throughput import make_workload  # benchmarks/throughput.py
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(path: str, cfg, rank: int, seed: int) -> str:
+    """A random PEFT adapter of every target module of every layer of `cfg`'s model."""
+    from jaxllm.models.safetensors_io import save_file
+
+    D, F, H = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    N, K = cfg.num_attention_heads * H, cfg.num_key_value_heads * H
+    shapes = {"self_attn.q_proj": (D, N), "self_attn.k_proj": (D, K),
+              "self_attn.v_proj": (D, K), "self_attn.o_proj": (N, D),
+              "mlp.gate_proj": (D, F), "mlp.up_proj": (D, F), "mlp.down_proj": (F, D)}
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for module, (k, n) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = rng.normal(0, k ** -0.5, (rank, k)).astype(
+                np.float32)
+            tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.01, (n, rank)).astype(
+                np.float32)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                   "target_modules": list(TARGETS)}, f)
+    return path
+
+
+def timed_runs(llm, prompts, params, loras, repeats: int) -> list[float]:
+    """Output tok/s of each timed run (one untimed run first)."""
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(batch, params, use_tqdm=False, lora_request=loras)
+    rates = []
+    for _ in range(repeats):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False, lora_request=loras)
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        rates.append(n / (time.perf_counter() - t0))
+    return rates
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--input-len", type=int, nargs=2, default=(32, 256))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(32, 128))
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="compile buckets as they come (a quick check of the script)")
+    args = ap.parse_args()
+
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.lora.request import LoRARequest
+
+    engine_args = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       enforce_eager=args.enforce_eager, seed=0)
+    base = LLM(**engine_args)
+    cfg = base.llm_engine.model_config
+    prompts, outs = make_workload(args.n, args.input_len, args.output_len,
+                                  cfg.vocab_size, seed=0)
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in outs]
+    results = {"base": timed_runs(base, prompts, params, None, args.repeats)}
+    del base
+
+    root = tempfile.mkdtemp(prefix="jaxllm_lora_bench_")
+    loras = [LoRARequest(f"a{i}", i + 1, write_adapter(f"{root}/a{i}", cfg, args.rank, i))
+             for i in range(16)]
+    llm = LLM(**engine_args, enable_lora=True, max_loras=4, max_cpu_loras=16,
+              max_lora_rank=max(16, args.rank))
+    manager = llm.llm_engine.lora_manager
+    for lora in loras:  # host load (read + check) of each adapter, timed by the cache
+        manager.cache.get(lora)
+    load_ms = 1e3 * statistics.mean(manager.cache.load_seconds)
+    for name, mode in (("1 adapter", [loras[0]] * args.n),
+                       ("4 mixed", [loras[i % 4] for i in range(args.n)]),
+                       ("16 swap", [loras[i % 16] for i in range(args.n)])):
+        results[name] = timed_runs(llm, prompts, params, mode, args.repeats)
+
+    ref = statistics.median(results["base"])
+    print(f"\n{args.n} requests, input {args.input_len}, output {args.output_len}, "
+          f"rank {args.rank}, dtype {args.dtype}")
+    print(f"{'mode':<12}{'out tok/s':>12}{'vs base':>10}")
+    for name, rates in results.items():
+        med = statistics.median(rates)
+        print(f"{name:<12}{med:>12.1f}{med / ref:>10.2f}")
+    print(f"adapter load (read + check, host): {load_ms:.1f} ms mean over 16")
+
+
+if __name__ == "__main__":
+    main()
