@@ -50,6 +50,21 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(status_code=status, content=error_body(status, message, type_, param))
 
 
+def add_api_key_check(app: FastAPI, api_keys) -> None:
+    """vLLM's --api-key: every /v1 route wants `Authorization: Bearer <one of the keys>`
+    (compared in constant time), else a 401 with OpenAI's error JSON; none given, no check."""
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_keys and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not any([hmac.compare_digest(given, f"Bearer {key}".encode())
+                        for key in api_keys]):
+                return error_response(401, "Unauthorized: a valid API key is required",
+                                      "authentication_error")
+        return await call_next(request)
+
+
 class InternalErrors:
     """The outermost middleware: an exception no handler answered becomes OpenAI's error JSON
     with a 500 (Starlette's last resort is a plain-text body) and its traceback is logged,
@@ -155,16 +170,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         return error_response(exc.status_code, str(exc.detail), "NotFoundError"
                               if exc.status_code == 404 else "BadRequestError")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_keys and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "").encode()
-            if not any([hmac.compare_digest(given, f"Bearer {key}".encode())
-                        for key in api_keys]):
-                return error_response(401, "Unauthorized: a valid API key is required",
-                                      "authentication_error")
-        return await call_next(request)
-
+    add_api_key_check(app, api_keys)
     app.add_middleware(InternalErrors)  # added last: the outermost, around the key check too
 
     def model_name(requested: str | None) -> str:

@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hmac
 import threading
 import time
 import uuid
 from typing import Literal
 
 import numpy as np
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict
 
 import jaxllm
-from jaxllm.entrypoints.openai.api_server import APIError, InternalErrors, error_response
+from jaxllm.entrypoints.openai.api_server import (APIError, InternalErrors, add_api_key_check,
+                                                  error_response)
 from jaxllm.pooling import offline
 from jaxllm.pooling.engine import PoolingEngine
 from jaxllm.pooling.params import PoolingParams
@@ -116,16 +116,7 @@ def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str],
     async def _api_error(request, exc: APIError):
         return error_response(exc.status, exc.message, exc.type, exc.param)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_keys and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "").encode()
-            if not any([hmac.compare_digest(given, f"Bearer {key}".encode())
-                        for key in api_keys]):
-                return error_response(401, "Unauthorized: a valid API key is required",
-                                      "authentication_error")
-        return await call_next(request)
-
+    add_api_key_check(app, api_keys)
     app.add_middleware(InternalErrors)  # added last: the outermost
 
     def model_name(requested: str | None) -> str:
