@@ -5,9 +5,11 @@ Workloads:
               where the output repeats the prompt and prompt lookup finds its drafts;
   peer        benchmarks/throughput.py's workload (random token ids, greedy, EOS ignored),
               where it mostly finds none.
-For each batch size (concurrent requests; default 1, 8, 64) both engines (the same model,
-k drafts per step, async scheduling off in both so only speculation differs) run the
-workload after one untimed pass of the same workload. Reported per row: output tok/s of each engine and
+For each batch size (concurrent requests; default 1, 8, 64) both engines (the same model;
+"off" in its best configuration, async scheduling on; "on" with k drafts per step, where
+n-gram speculation turns async scheduling off) run the workload after one untimed pass of
+the same workload, then --repeats timed passes each, alternately; times are medians.
+Reported per row: output tok/s of each engine and
 their ratio, acceptance rate (accepted / drafted tokens), mean acceptance length (tokens per
 verified run, the bonus included: vLLM's definition), at batch 1 the inter-token latency
 (wall time per output token), and the compiles that happened while timing (0 unless
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from machine import machine_header  # benchmarks/machine.py
@@ -78,6 +81,7 @@ def main() -> None:
                    help="requests per row (default: 2 x the batch size)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per engine (median)")
     p.add_argument("--workloads", nargs="+", default=("repetitive", "peer"))
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -90,12 +94,12 @@ def main() -> None:
 
     print(machine_header())
     common = dict(model=args.model, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
-                  max_model_len=1024, async_scheduling=False, seed=0,
+                  max_model_len=1024, seed=0,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enforce_eager=args.enforce_eager)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}
-    off = LLM(**common)
+    off = LLM(**common, async_scheduling=True)
     on = LLM(**common, speculative_config=spec_cfg)
     tok = off.get_tokenizer()
     rows = []
@@ -112,9 +116,14 @@ def main() -> None:
                 timed(llm, prompts, outs)  # the untimed warm-up pass (and lazy compiles)
                 llm.reset_prefix_cache()
             compiles = [llm.llm_engine.runner.num_compiles for llm in (off, on)]
-            t_off, ids_off = timed(off, prompts, outs)
             before = spec_counts(on)
-            t_on, ids_on = timed(on, prompts, outs)
+            runs_off, runs_on = [], []
+            for _ in range(args.repeats):
+                for llm, runs in ((off, runs_off), (on, runs_on)):
+                    runs.append(timed(llm, prompts, outs))
+                    llm.reset_prefix_cache()
+            t_off, ids_off = statistics.median(t for t, _ in runs_off), runs_off[0][1]
+            t_on, ids_on = statistics.median(t for t, _ in runs_on), runs_on[0][1]
             compiles = [llm.llm_engine.runner.num_compiles - c
                         for llm, c in zip((off, on), compiles)]
             drafts, drafted, accepted = (a - b for a, b in zip(spec_counts(on), before))
