@@ -51,3 +51,36 @@ def hf_smollm2():
     directory, name = os.path.split(path)
     return transformers.AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=name, dtype=torch.float32).eval()
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_memory_after_each_module(request):
+    """Each test file's engines, compiled steps and arrays are let go when the file ends.
+
+    jax keeps every compiled executable (and what its caches reference) for the life of the
+    process, and glibc keeps freed heap pages mapped: two pytest-xdist workers that each
+    accumulate a whole half of the suite reached 23.5 of the machine's 24 GiB. Set up before
+    the module's own fixtures, so torn down after them."""
+    yield
+    import ctypes
+    import gc
+
+    import jax
+
+    before = _rss_mib()
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: freed pages stay mapped, nothing else changes
+        pass
+    log = os.environ.get("JAXLLM_TEST_RSS_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {request.module.__name__} {before:.0f} {_rss_mib():.0f}\n")
