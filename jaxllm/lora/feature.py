@@ -11,16 +11,21 @@ table (runner/device_rows.py), so writing an adapter into a slot never recompile
                                    B holds the scaling (alpha / r) already
     lora.index [S_max + 1] int32   per batch slot: its request's adapter slot (M: none)
 
-At layer l's projection t, for the T packed rows (slot_T their batch slots):
+At layer l's projection t, for the T packed rows (slot_T their batch slots), m_T =
+index[slot_T] the adapter slot of each token, one of three branches (a `lax.switch` on m_T):
 
-    m_T    = index[slot_T]                                   adapter slot of each token
-    xa_TMR = einsum(x_TK, A[:, l]) * onehot(m_T)[:, :, None]   shrink, every slot at once
-    y_TN  += einsum(xa_TMR, B[:, l])                         expand (f32 accumulation)
+    no token has an adapter:   y_TN unchanged
+    one adapter s (and base):  xa_TR = (x_TK @ A[s, l]) * (m_T == s)          rank R only
+                               y_TN += xa_TR @ B[s, l]
+    several adapters:          xa_TX = (x_TK @ A[:M, l] as [K, M*R]) * onehot(m_T)   X = M*R
+                               y_TN += xa_TX @ B[:M, l] as [M*R, N]
+                               two skinny GEMMs: the shrink against every slot at once,
+                               each token keeping its own slot's R columns
 
-under a `lax.cond` that skips both when no token of the step has an adapter. Which adapter
-sits in which slot is host state here: a slot is taken when a request with an adapter not
-resident joins the batch, freed (kept resident, evicted least recently used first) when its
-last request leaves. The scheduler (jaxllm/lora/scheduling.py) keeps the distinct adapters
+in the tables' dtype, products accumulated in f32 (xa rounded to the dtype, as peft does).
+Which adapter sits in which slot is host state here: a slot is taken when a request with an
+adapter not resident joins the batch (its tables' rows written whole: one upload each),
+freed (kept resident, evicted least recently used first) when its last request leaves. The scheduler (jaxllm/lora/scheduling.py) keeps the distinct adapters
 of the running requests <= M, so a slot is always free. Never decides which requests run.
 """
 
@@ -131,15 +136,16 @@ class LoRAFeature(StepFeature):
             self.free.move_to_end(slot, last=False)
 
     def _write(self, slot: int, model: LoRAModel) -> None:
+        # Whole rows, built in the table's dtype: one compare and one upload per table.
         for t, (a_table, b_table) in self.tables.items():
-            A_LKR = np.zeros(a_table.row_shape, np.float32)
-            B_LRN = np.zeros(b_table.row_shape, np.float32)
+            A_1LKR = np.zeros((1, *a_table.row_shape), a_table.dtype)
+            B_1LRN = np.zeros((1, *b_table.row_shape), b_table.dtype)
             for (name, layer), (A_KR, B_RN) in model.weights.items():
                 if name == t:
-                    A_LKR[layer, :, :model.rank] = A_KR
-                    B_LRN[layer, :model.rank] = B_RN
-            a_table.set_row(slot, A_LKR)
-            b_table.set_row(slot, B_LRN)
+                    A_1LKR[0, layer, :, :model.rank] = A_KR
+                    B_1LRN[0, layer, :model.rank] = B_RN
+            a_table.set_rows([slot], A_1LKR)
+            b_table.set_rows([slot], B_1LRN)
 
     # ---- device: the dense-layer point ----------------------------------------------------
 
@@ -150,13 +156,30 @@ class LoRAFeature(StepFeature):
         A_MKR = hooks.rows[f"lora.{name}.A"][:, layer]
         B_MRN = hooks.rows[f"lora.{name}.B"][:, layer]
         m_T = hooks.rows["lora.index"][hooks.slot_T]
+        x_TK = x_TK.astype(A_MKR.dtype)
+        first = jnp.min(m_T)  # M: no token has an adapter
+        alone = jnp.all((m_T == first) | (m_T == M))
 
-        def with_lora():
-            onehot_TM = jax.nn.one_hot(m_T, M + 1, dtype=jnp.float32)
-            xa_TMR = jnp.einsum("tk,mkr->tmr", x_TK.astype(A_MKR.dtype), A_MKR,
-                                preferred_element_type=jnp.float32) * onehot_TM[:, :, None]
-            d_TN = jnp.einsum("tmr,mrn->tn", xa_TMR.astype(B_MRN.dtype), B_MRN,
-                              preferred_element_type=jnp.float32)
+        def add(d_TN):
             return (y_TN.astype(jnp.float32) + d_TN).astype(y_TN.dtype)
 
-        return jax.lax.cond(jnp.any(m_T != M), with_lora, lambda: y_TN)
+        def one_adapter():  # every token with an adapter has adapter slot `first`
+            A_KR = jax.lax.dynamic_index_in_dim(A_MKR, first, 0, keepdims=False)
+            B_RN = jax.lax.dynamic_index_in_dim(B_MRN, first, 0, keepdims=False)
+            xa_TR = _dot(x_TK, A_KR).astype(A_KR.dtype) * (m_T == first)[:, None].astype(
+                A_KR.dtype)
+            return add(_dot(xa_TR, B_RN))
+
+        def several():  # shrink against every slot at once, keep each token's own R columns
+            _, K, R = A_MKR.shape
+            A_KX = A_MKR[:M].transpose(1, 0, 2).reshape(K, M * R)
+            B_XN = B_MRN[:M].reshape(M * R, -1)
+            mask_TX = jnp.repeat(jax.nn.one_hot(m_T, M, dtype=A_KX.dtype), R, axis=1)
+            return add(_dot(_dot(x_TK, A_KX).astype(A_KX.dtype) * mask_TX, B_XN))
+
+        branch = jnp.where(first == M, 0, jnp.where(alone, 1, 2))
+        return jax.lax.switch(branch, (lambda: y_TN, one_adapter, several))
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
