@@ -27,6 +27,7 @@ from jaxllm.kernels.linear_methods import select_linear_method
 from jaxllm.models.dtype import DTYPES
 from jaxllm.models.resolve import DEFAULT_POOLING_MODEL, resolve_model
 from jaxllm.models.weights import iter_hf_dir_tensors, load_params, read_json
+from jaxllm.pooling.attention import Tiling
 from jaxllm.pooling.config import read_pooling_model
 from jaxllm.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from jaxllm.pooling.params import PoolingParams
@@ -70,7 +71,8 @@ class PoolingEngine:
         self.tokenizer = get_tokenizer(config.tokenizer or resolved.path)
         self.uses_token_types = mcfg.type_vocab_size > 0
         self.config = config = self._limits(config, resolved.path, mcfg)
-        self.scheduler = PoolingScheduler(config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = PoolingScheduler(config.max_num_batched_tokens, config.max_num_seqs,
+                                          Tiling.for_max_model_len(config.max_model_len))
         self.runner = PoolingRunner(
             self.model, make_pooler(self.pooler_config),
             causal=not getattr(self.model, "bidirectional", False),
