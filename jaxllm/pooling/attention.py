@@ -1,26 +1,26 @@
 """What a pooling step's model reads: packed sequences with no KV cache, and the attention that
 keeps each sequence to itself.
 
-Owns `PoolingMetadata` (the step's device inputs, one registered pytree) and `DenseAttention`,
-the object a model's `ops.attention` calls in a pooling step: scores over the whole packed
-step [T, T], masked to the row's own sequence (and to earlier positions when causal), in
+Owns `PoolingMetadata` (the step's device inputs, one registered pytree), the block layout of
+a step (`Tiling`: blocks of B rows, `BlockPacking`: where each prompt's rows go) and
+`DenseAttention`, the object a model's `ops.attention` calls in a pooling step: scores within
+each block, masked to the row's own sequence (and to earlier positions when causal), in
 float32. Never touches a KV cache: the `kv` argument passes through untouched (a pooling step
 has none), and there is no prefix to reuse.
 
 Letters: T packed tokens (a bucket), S sequences (a bucket), N query heads, K kv heads,
-H head dim, G tiles of B rows, C keys a tile's queries score.
+H head dim, G blocks of B rows.
 
-    tokens  | a a a a | b b | c c c | pad pad |      seq_ids  0 0 0 0 1 1 2 2 2 S S
+Blocks. Scores over the whole step cost T * T per head where the prompts need only the sum of
+their squares. So the step's rows are cut into blocks of B >= max_model_len rows (a power of
+two) and every prompt is packed inside one block (first fit, `BlockPacking`; the scheduler
+admits a prompt only where it fits): a block's queries then score only its own B keys, a
+block-diagonal attention with no gather of neighbouring keys. A step of T <= B rows is one
+block.
+
+    B = 8, T = 16:  | a a a b b c c . | d d d d d e e . |     seq_ids 0 0 0 1 1 2 2 S 3 ...
+                      block 0           block 1             `.`: padding (sequence S)
     a row of `b` sees the two `b` columns only; padding rows see padding only (never NaN).
-
-Tiles. Scores over the whole step cost T * T per head where the prompts need only the sum of
-their squares. So the rows are cut into tiles of B, and a tile's queries score only the keys
-of the r tiles on either side and its own: no prompt is longer than L = max_model_len, so two
-rows of one prompt are at most L - 1 apart, and r = ceil((L - 1) / B) tiles reach every key
-(C = (2r + 1) * B keys per query instead of T). `Tiling.for_max_model_len` picks the B that
-makes C smallest; a step runs tiled only where C < T.
-
-    B = 32, L = 64 (r = 2):  | t0 | t1 | t2 | t3 | t4 | t5 |   queries of t3 score t1 .. t5
 """
 
 from __future__ import annotations
@@ -44,28 +44,49 @@ class PoolingMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """B rows per tile, r tiles reached on either side (static: part of the step)."""
+    """Attention blocks of `tile` rows (static: part of the step); no prompt crosses a block
+    edge."""
 
     tile: int
-    reach: int
 
     @classmethod
-    def for_max_model_len(cls, max_model_len: int, smallest: int = 32) -> "Tiling":
-        """The power-of-two B >= `smallest` (thinner tiles multiply poorly on a CPU) with the
-        fewest keys per query, C = (2r + 1) * B; of equals, the larger B."""
-        best = None
-        B = smallest
-        while True:
-            reach = max(1, -(-(max_model_len - 1) // B))
-            keys = (2 * reach + 1) * B
-            if best is None or keys <= best[0]:
-                best = (keys, cls(B, reach))
-            if B >= max_model_len:
-                return best[1]
-            B *= 2
+    def for_max_model_len(cls, max_model_len: int) -> "Tiling":
+        """The smallest power of two that holds the longest prompt."""
+        return cls(1 << max(0, max_model_len - 1).bit_length())
 
-    def keys_per_query(self) -> int:
-        return (2 * self.reach + 1) * self.tile
+
+class BlockPacking:
+    """First-fit placement of prompts into `num_blocks` blocks of `block` rows: the scheduler
+    admits with it and the runner replays it in the same order, so both agree on the rows.
+
+        BlockPacking(4, 2): add(3) -> 0, add(3) -> 4, add(1) -> 3, add(2) -> None
+    """
+
+    def __init__(self, block: int, num_blocks: int):
+        self.block = block
+        self.used = [0] * num_blocks  # rows taken in each block
+
+    @classmethod
+    def for_budget(cls, tiling: Tiling, max_num_batched_tokens: int) -> "BlockPacking":
+        """The blocks of a step of at most `max_num_batched_tokens` rows (one short block
+        when the budget is less than a block)."""
+        B = tiling.tile
+        if max_num_batched_tokens < B:
+            return cls(max_num_batched_tokens, 1)
+        return cls(B, max_num_batched_tokens // B)
+
+    def add(self, n: int) -> int | None:
+        """The first row of `n` rows in the first block with room, or None."""
+        for i, used in enumerate(self.used):
+            if used + n <= self.block:
+                self.used[i] = used + n
+                return i * self.block + used
+        return None
+
+    def end(self) -> int:
+        """One past the last row placed: the step's rows before padding to a bucket."""
+        last = max((i for i, u in enumerate(self.used) if u), default=0)
+        return last * self.block + self.used[last]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +95,7 @@ class DenseAttention:
     encoders, causal for a decoder used as an embedding or classification model."""
 
     causal: bool
-    tiling: Tiling | None = None  # None: never tiled
+    tiling: Tiling | None = None  # None: the whole step is one block
     mesh = None  # one device: ParallelOps runs its plain, unsharded ops
 
     def __call__(self, q_TNH, k_TKH, v_TKH, kv, md: PoolingMetadata, *, sm_scale: float,
@@ -83,37 +104,42 @@ class DenseAttention:
         group = N // k_TKH.shape[1]
         k_TNH = jnp.repeat(k_TKH, group, axis=1)
         v_TNH = jnp.repeat(v_TKH, group, axis=1)
-        t = self.tiling
-        # (a budget that is no power of two runs its top bucket untiled)
-        tiled = t is not None and t.keys_per_query() < T and T % t.tile == 0
-        B, r = (t.tile, t.reach) if tiled else (T, 0)
-        G = T // B  # G tiles of B query rows, each scoring C = (2r + 1) * B keys
-
-        def keys(x, fill):  # [T, ...] -> [G, C, ...]: each tile's neighbourhood
-            if G == 1:
-                return x[None]
-            pad = jnp.full((r * B,) + x.shape[1:], fill, x.dtype)
-            xp = jnp.concatenate([pad, x, pad])
-            return jnp.concatenate([xp[i * B:(i + G) * B].reshape((G, B) + x.shape[1:])
-                                    for i in range(2 * r + 1)], axis=1)
-
-        q_GBNH = q_TNH.reshape(G, B, N, H)
+        # A step of more than one block: the rows were packed so that no prompt crosses a
+        # block edge (BlockPacking); a top bucket that is no multiple of B gets padding rows.
+        B = self.tiling.tile if self.tiling is not None and T > self.tiling.tile else T
+        G = -(-T // B)
+        seq_ids, positions = md.seq_ids, md.positions
+        if G * B != T:
+            rows = ((0, G * B - T),)
+            q_TNH, k_TNH, v_TNH = (jnp.pad(x, rows + ((0, 0), (0, 0)))
+                                   for x in (q_TNH, k_TNH, v_TNH))
+            seq_ids = jnp.pad(seq_ids, rows, constant_values=-1)
+            positions = jnp.pad(positions, rows)
+        # Heads lead ([G, N, B, H]): XLA:CPU then runs each product as one batched GEMM (with
+        # the heads second it transposed inside the dot: several times slower, measured).
+        q_GNBH, k_GNBH, v_GNBH = (x.reshape(G, B, N, H).transpose(0, 2, 1, 3)
+                                  for x in (q_TNH, k_TNH, v_TNH))
         # float32 scores and softmax whatever the weights' dtype (HF's eager attention too).
-        s_GNBC = jnp.einsum("gbnh,gcnh->gnbc", q_GBNH, keys(k_TNH, 0),
+        s_GNBC = jnp.einsum("gnbh,gnch->gnbc", q_GNBH, k_GNBH,
                             preferred_element_type=jnp.float32) * sm_scale
         if logits_soft_cap is not None:
             s_GNBC = logits_soft_cap * jnp.tanh(s_GNBC / logits_soft_cap)
-        mask_GBC = md.seq_ids.reshape(G, B)[:, :, None] == keys(md.seq_ids, -1)[:, None, :]
+        seq_GB = seq_ids.reshape(G, B)
+        mask_GBC = seq_GB[:, :, None] == seq_GB[:, None, :]
         if self.causal:
-            rel_GBC = (md.positions.reshape(G, B)[:, :, None]
-                       - keys(md.positions, 0)[:, None, :])
+            pos_GB = positions.reshape(G, B)
+            rel_GBC = pos_GB[:, :, None] - pos_GB[:, None, :]
             mask_GBC &= rel_GBC >= 0
             if sliding_window is not None:
                 mask_GBC &= rel_GBC < sliding_window
         s_GNBC = jnp.where(mask_GBC[:, None], s_GNBC, -jnp.inf)
-        p_GNBC = jax.nn.softmax(s_GNBC, axis=-1)
-        o_GBNH = jnp.einsum("gnbc,gcnh->gbnh", p_GNBC, keys(v_TNH, 0).astype(jnp.float32))
-        return o_GBNH.reshape(T, N, H).astype(q_TNH.dtype), kv
+        # softmax with the sum divided out after the product ([G, N, B, H], not [.., B, C]);
+        # every row sees itself, so the max is finite.
+        e_GNBC = jnp.exp(s_GNBC - s_GNBC.max(-1, keepdims=True))
+        o_GNBH = jnp.einsum("gnbc,gnch->gnbh", e_GNBC, v_GNBH.astype(jnp.float32))
+        o_GNBH = o_GNBH / e_GNBC.sum(-1, keepdims=True)
+        o_TNH = o_GNBH.transpose(0, 2, 1, 3).reshape(G * B, N, H)[:T]
+        return o_TNH.astype(q_TNH.dtype), kv
 
 
-__all__ = ["DenseAttention", "PoolingMetadata", "Tiling"]
+__all__ = ["BlockPacking", "DenseAttention", "PoolingMetadata", "Tiling"]

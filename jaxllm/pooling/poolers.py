@@ -45,7 +45,9 @@ class LastTokenPool:
     """The last row of each sequence (decoders: the only one that has read them all)."""
 
     def __call__(self, hidden_TD, md: PoolingMetadata):
-        return jnp.take(hidden_TD, md.query_start_loc[1:] - 1, axis=0, mode="clip")
+        # (rows between prompts may be padding: the end is the start plus the length)
+        last_S = md.query_start_loc[:-1] + md.seq_lens - 1
+        return jnp.take(hidden_TD, last_S, axis=0, mode="clip")
 
 
 POOLERS = {"MEAN": MeanPool, "CLS": FirstTokenPool, "LAST": LastTokenPool}

@@ -7,12 +7,17 @@ static shapes: the token buckets of runner/buckets.py (T powers of two up to
 max_num_batched_tokens, S = min(T, max_num_seqs)), every one compiled at start-up unless
 enforce_eager. Never sees a Request and never decides what runs (jaxllm/pooling/scheduler.py).
 
-Packed layout, T = 16, S = 16 (3 prompts):
+Packed layout, blocks of 8 rows (attention.py), T = 16, S = 16 (3 prompts, placed first fit in
+scheduled order: p2 does not fit block 0 after p0 and p1, and goes to block 1):
 
-    rows       | p0: 5 tokens | p1: 3 | p2: 4 | padding 12..15 |
-    seq_ids      0 0 0 0 0      1 1 1   2 2 2 2  16 16 16 16        (S: the padding segment)
-    positions    0 1 2 3 4      0 1 2   0 1 2 3  0 0 0 0
-    qsl          0 5 8 12 12 ... 12 (S + 1 entries)
+    rows       | p0: 5 tokens | p1: 3 | p2: 4   | padding 12..15 |
+    seq_ids      0 0 0 0 0      1 1 1   2 2 2 2   16 16 16 16       (S: the padding segment)
+    positions    0 1 2 3 4      0 1 2   0 1 2 3   0 0 0 0
+    qsl          0 5 8 (p2 starts at row 8) ... unused entries 12 (S + 1 entries)
+
+qsl[s] is each prompt's first row; a gap between prompts is padding, so the poolers read
+qsl[s] (first row), qsl[s] + seq_lens[s] - 1 (last row) and seq_ids (mean), never
+qsl[s + 1] as an end.
 
 Letters: T tokens, S sequences, D model dim (or C classes after a head), O the output width.
 """
@@ -29,7 +34,7 @@ from flax import nnx
 
 from jaxllm.kernels.linear_methods import LinearMethod
 from jaxllm.models.parallel import ParallelOps
-from jaxllm.pooling.attention import DenseAttention, PoolingMetadata, Tiling
+from jaxllm.pooling.attention import BlockPacking, DenseAttention, PoolingMetadata, Tiling
 from jaxllm.runner.buckets import BucketConfig
 
 logger = logging.getLogger(__name__)
@@ -80,8 +85,10 @@ class PoolingRunner:
         self.buckets = BucketConfig.create(max_num_batched_tokens, max_num_seqs, 1, False,
                                            min_tokens=min(MIN_TOKEN_BUCKET,
                                                           max_num_batched_tokens))
+        self.tiling = Tiling.for_max_model_len(max_model_len)
+        self.max_num_batched_tokens = max_num_batched_tokens
         self._step = make_pooling_step(self.graphdef, pooler, causal, linear_method,
-                                       Tiling.for_max_model_len(max_model_len))
+                                       self.tiling)
         self.num_compiles = 0
         self._compiled: dict[int, object] = {}
         if not enforce_eager:
@@ -98,15 +105,21 @@ class PoolingRunner:
 
     def execute(self, inputs: list[PoolingInput]) -> np.ndarray:
         """-> float32 [len(inputs), O], one pooled (and headed) row per prompt, in order."""
-        num_tokens = sum(len(p.token_ids) for p in inputs)
-        T = self.buckets.pad(num_tokens, len(inputs), 1)[0]
+        packing = BlockPacking.for_budget(self.tiling, self.max_num_batched_tokens)
+        starts = [packing.add(len(p.token_ids)) for p in inputs]
+        if None in starts:
+            raise ValueError("the scheduled prompts do not fit the step's blocks "
+                             "(PoolingScheduler admits only prompts that fit)")
+        T = self.buckets.pad(max(packing.end(), 1), len(inputs), 1)[0]
         S = self.buckets.seqs_for(T)
         fn = self._compiled.get(T) or self._compile(T)
-        out_SO = fn(self.state, _pack(inputs, T, S))
+        out_SO = fn(self.state, _pack(inputs, T, S, starts))
         return np.asarray(jax.device_get(out_SO))[:len(inputs)]
 
 
-def _pack(inputs: list[PoolingInput], T: int, S: int) -> PoolingMetadata:
+def _pack(inputs: list[PoolingInput], T: int, S: int,
+          starts: list[int] | None = None) -> PoolingMetadata:
+    """Each prompt's rows from its start (BlockPacking's; None: one after another)."""
     ids = np.zeros(T, np.int32)
     types = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
@@ -116,15 +129,16 @@ def _pack(inputs: list[PoolingInput], T: int, S: int) -> PoolingMetadata:
     start = 0
     for s, p in enumerate(inputs):
         n = len(p.token_ids)
+        start = start if starts is None else starts[s]
         ids[start:start + n] = p.token_ids
         if p.token_type_ids is not None:
             types[start:start + n] = p.token_type_ids
         positions[start:start + n] = np.arange(n)
         seq_ids[start:start + n] = s
         seq_lens[s] = n
+        qsl[s] = start
         start += n
-        qsl[s + 1] = start
-    qsl[len(inputs) + 1:] = start
+    qsl[len(inputs):] = start
     return PoolingMetadata(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(types),
                            jnp.asarray(seq_ids), jnp.asarray(qsl), jnp.asarray(seq_lens))
 

@@ -1,11 +1,15 @@
 """PoolingScheduler: which waiting prompts the next pooling step runs, under the engine's token
 budget (max_num_batched_tokens) and max_num_seqs: vLLM's one budget rule, without KV blocks.
 
-Owns the waiting queue (first come, first served) and the step's plain message. A pooling
-prompt is never chunked: bidirectional attention needs the whole prompt in one step, so the
-engine admits only prompts of at most max_model_len <= max_num_batched_tokens tokens, and a
-prompt that does not fit what is left of the budget waits for the next step. Nothing is
-cached between steps (no prefix caching), so nothing is ever preempted.
+Owns the waiting queue and the step's plain message. A pooling prompt is never chunked:
+bidirectional attention needs the whole prompt in one step, so the engine admits only prompts
+of at most max_model_len <= max_num_batched_tokens tokens. The budget is cut into attention
+blocks (jaxllm/pooling/attention.py: no prompt crosses a block edge), and a prompt runs in
+this step if it fits a block's room, first fit (`BlockPacking`, which the runner replays in
+the same order). The head of the queue always runs (the step starts empty); behind it, the
+scheduler looks up to LOOKAHEAD prompts further for ones that fill the blocks' gaps, the
+ones it passes keeping their order. Nothing is cached between steps (no prefix caching), so
+nothing is ever preempted.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 from typing import Any
+
+from jaxllm.pooling.attention import BlockPacking, Tiling
+
+LOOKAHEAD = 256  # waiting prompts examined per step beyond those that fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +41,12 @@ class PoolingSchedulerOutput:
 
 
 class PoolingScheduler:
-    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int,
+                 tiling: Tiling | None = None):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # None: the whole budget is one block (prompts one after another)
+        self.tiling = tiling or Tiling(max_num_batched_tokens)
         self.waiting: collections.deque[PoolingRequest] = collections.deque()
 
     def add_request(self, request: PoolingRequest) -> None:
@@ -48,13 +59,16 @@ class PoolingScheduler:
         return bool(self.waiting)
 
     def schedule(self) -> PoolingSchedulerOutput:
-        scheduled, budget = [], self.max_num_batched_tokens
-        while (self.waiting and len(scheduled) < self.max_num_seqs
-               and len(self.waiting[0].prompt_token_ids) <= budget):
+        packing = BlockPacking.for_budget(self.tiling, self.max_num_batched_tokens)
+        scheduled, passed = [], []
+        while self.waiting and len(scheduled) < self.max_num_seqs and len(passed) < LOOKAHEAD:
             request = self.waiting.popleft()
-            budget -= len(request.prompt_token_ids)
-            scheduled.append(request)
-        total = self.max_num_batched_tokens - budget
+            if packing.add(len(request.prompt_token_ids)) is None:
+                passed.append(request)
+            else:
+                scheduled.append(request)
+        self.waiting.extendleft(reversed(passed))
+        total = sum(len(r.prompt_token_ids) for r in scheduled)
         assert total <= self.max_num_batched_tokens and len(scheduled) <= self.max_num_seqs
         assert scheduled or not self.waiting, "a waiting prompt never fits the budget"
         return PoolingSchedulerOutput(tuple(scheduled), total)

@@ -1,6 +1,6 @@
 """The pooling tests' one all-MiniLM-L6-v2 engine (the packaged default), shared by the
 offline and the server tests: five token buckets, 16..256, compiled once; at 256 rows the
-attention runs in tiles of 64 (pooling/attention.py)."""
+attention runs in blocks of 64, four to a step (pooling/attention.py)."""
 
 import pytest
 
