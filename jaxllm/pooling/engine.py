@@ -107,6 +107,10 @@ class PoolingEngine:
         k = params.truncate_prompt_tokens
         return self.config.max_model_len if k == -1 else k
 
+    @staticmethod
+    def _tokenizer_kwargs(k: int | None) -> dict:
+        return dict(truncation=True, max_length=k) if k is not None else {}
+
     def _encode_texts(self, prompts: list, params: list[PoolingParams]) -> dict[int, dict]:
         """The tokenizer's output for each plain-text prompt, by index: texts with the same
         truncation go to the tokenizer as one batch (the fast tokenizer encodes a batch in
@@ -117,8 +121,7 @@ class PoolingEngine:
                 groups.setdefault(self._truncation(p), []).append(i)
         out = {}
         for k, idx in groups.items():
-            kwargs = dict(truncation=True, max_length=k) if k is not None else {}
-            enc = self.tokenizer([prompts[i].text for i in idx], **kwargs)
+            enc = self.tokenizer([prompts[i].text for i in idx], **self._tokenizer_kwargs(k))
             for j, i in enumerate(idx):
                 out[i] = {name: enc[name][j] for name in enc.keys()}
         return out
@@ -135,8 +138,8 @@ class PoolingEngine:
         if isinstance(prompt, TextPair) or prompt.token_ids is None:
             texts = ((prompt.text, prompt.text_pair) if isinstance(prompt, TextPair)
                      else (prompt.text,))
-            kwargs = dict(truncation=True, max_length=k) if k is not None else {}
-            enc = encoded if encoded is not None else self.tokenizer(*texts, **kwargs)
+            enc = (encoded if encoded is not None
+                   else self.tokenizer(*texts, **self._tokenizer_kwargs(k)))
             ids, types = list(enc["input_ids"]), enc.get("token_type_ids")
         else:
             ids, types = list(prompt.token_ids), None
