@@ -155,9 +155,10 @@ class PoolingEngine:
                              f"truncate_prompt_tokens")
         return ids, (list(types) if self.uses_token_types else None)
 
-    def encode(self, prompts: list[PromptInput | TextPair], params: list[PoolingParams],
-               task: str, use_tqdm: bool = False) -> list[PoolingRequestOutput]:
-        """Pool every prompt; outputs in input order. All are checked before any runs."""
+    def prepare(self, prompts: list[PromptInput | TextPair], params: list[PoolingParams],
+                task: str) -> list[PoolingRequest]:
+        """Check and tokenize every prompt, all or nothing; nothing is scheduled. A bad prompt
+        is a ValueError and no request is made."""
         if not prompts:
             raise ValueError("You must pass at least one prompt")
         requests = []
@@ -167,6 +168,12 @@ class PoolingEngine:
             ids, types = self.tokenize(prompt, p, encoded.get(i))
             requests.append(PoolingRequest(str(next(self._ids)), tuple(ids),
                                            None if types is None else tuple(types), p, task))
+        return requests
+
+    def encode(self, prompts: list[PromptInput | TextPair], params: list[PoolingParams],
+               task: str, use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """Pool every prompt; outputs in input order. All are checked before any runs."""
+        requests = self.prepare(prompts, params, task)
         for request in requests:
             self.scheduler.add_request(request)
         done: dict[str, PoolingRequestOutput] = {}

@@ -1,4 +1,5 @@
-"""What LLM.encode / embed / classify / score run on a PoolingEngine (vLLM's offline forms).
+"""What LLM.encode / embed / classify / score run on a PoolingEngine (vLLM's offline forms), and
+the pooling server's requests before its batcher (pooling_inputs, plan_score).
 
 Owns the prompt forms (those of generate: a str, a token-id list, a {"prompt"} or
 {"prompt_token_ids"} dict, or a list of them), broadcasting PoolingParams, and score's
@@ -9,6 +10,7 @@ model by the cosine similarity of the two embeddings. Never touches the device.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Sequence
 
@@ -52,11 +54,16 @@ def broadcast_pooling_params(params, n: int) -> list[PoolingParams]:
     return list(params)
 
 
+def pooling_inputs(prompts, pooling_params=None) -> tuple[list[PromptInput],
+                                                          list[PoolingParams]]:
+    """The parsed prompts and one PoolingParams per prompt."""
+    parsed = parse_pooling_prompts(prompts)
+    return parsed, broadcast_pooling_params(pooling_params, len(parsed))
+
+
 def encode(engine: PoolingEngine, prompts, pooling_params=None, task: str = "encode",
            use_tqdm: bool = False) -> list[PoolingRequestOutput]:
-    parsed = parse_pooling_prompts(prompts)
-    return engine.encode(parsed, broadcast_pooling_params(pooling_params, len(parsed)), task,
-                         use_tqdm)
+    return engine.encode(*pooling_inputs(prompts, pooling_params), task, use_tqdm)
 
 
 def embed(engine: PoolingEngine, prompts, pooling_params=None,
@@ -92,33 +99,54 @@ def pair_up(data_1, data_2) -> tuple[list, list]:
     return one, two
 
 
-def score(engine: PoolingEngine, data_1, data_2, pooling_params: PoolingParams | None = None,
-          use_tqdm: bool = False) -> list[ScoringRequestOutput]:
+@dataclasses.dataclass(frozen=True)
+class ScorePlan:
+    """What one score call pools (prompts, their params, the task) and how the pooled rows
+    become scores: a cross-encoder's row per pair is its score; an embedding model's rows are
+    the two sides' embeddings (each embedded once per occurrence, as vLLM does), scored by
+    their cosine similarity."""
+
+    prompts: list
+    params: list[PoolingParams]
+    task: str
+    num_pairs: int
+
+    def scores(self, outs: list[PoolingRequestOutput]) -> list[ScoringRequestOutput]:
+        if self.task == "classify":
+            return [ScoringRequestOutput.from_base(o) for o in outs]
+        out = []
+        for e1, e2 in zip(outs[:self.num_pairs], outs[self.num_pairs:]):
+            a, b = e1.outputs.data, e2.outputs.data
+            cos = float(np.dot(a, b) / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-8))
+            out.append(ScoringRequestOutput.from_base(PoolingRequestOutput(
+                f"{e1.request_id}_{e2.request_id}", PoolingOutput(np.float32(cos).reshape(())),
+                e1.prompt_token_ids + e2.prompt_token_ids)))
+        return out
+
+
+def plan_score(engine: PoolingEngine, data_1, data_2,
+               pooling_params: PoolingParams | None = None) -> ScorePlan:
     one, two = pair_up(data_1, data_2)
     params = pooling_params or PoolingParams()
-    cfg = engine.pooler_config
-    if cfg.task == "classify":
-        if engine.model_config.num_labels != 1:
-            raise ValueError("Scoring API is only enabled for num_labels == 1.")
-        pairs = []
-        for a, b in zip(one, two):
-            if not (isinstance(a, str) and isinstance(b, str)):
-                raise ValueError("a cross-encoder scores text pairs: data_1 and data_2 must "
-                                 "be strings")
-            pairs.append(TextPair(a, b))
-        outs = engine.encode(pairs, [params] * len(pairs), "classify", use_tqdm)
-        return [ScoringRequestOutput.from_base(o) for o in outs]
-    # An embedding model: cosine similarity of the two sides' embeddings (each embedded once
-    # per occurrence, as vLLM does).
-    embs = encode(engine, one + two, params, "embed", use_tqdm)
-    out = []
-    for e1, e2 in zip(embs[:len(one)], embs[len(one):]):
-        a, b = e1.outputs.data, e2.outputs.data
-        cos = float(np.dot(a, b) / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-8))
-        out.append(ScoringRequestOutput.from_base(PoolingRequestOutput(
-            f"{e1.request_id}_{e2.request_id}", PoolingOutput(np.float32(cos).reshape(())),
-            e1.prompt_token_ids + e2.prompt_token_ids)))
-    return out
+    if engine.pooler_config.task != "classify":
+        prompts, plist = pooling_inputs(one + two, params)
+        return ScorePlan(prompts, plist, "embed", len(one))
+    if engine.model_config.num_labels != 1:
+        raise ValueError("Scoring API is only enabled for num_labels == 1.")
+    pairs = []
+    for a, b in zip(one, two):
+        if not (isinstance(a, str) and isinstance(b, str)):
+            raise ValueError("a cross-encoder scores text pairs: data_1 and data_2 must "
+                             "be strings")
+        pairs.append(TextPair(a, b))
+    return ScorePlan(pairs, [params] * len(pairs), "classify", len(pairs))
 
 
-__all__ = ["classify", "embed", "encode", "pair_up", "score"]
+def score(engine: PoolingEngine, data_1, data_2, pooling_params: PoolingParams | None = None,
+          use_tqdm: bool = False) -> list[ScoringRequestOutput]:
+    plan = plan_score(engine, data_1, data_2, pooling_params)
+    return plan.scores(engine.encode(plan.prompts, plan.params, plan.task, use_tqdm))
+
+
+__all__ = ["ScorePlan", "classify", "embed", "encode", "pair_up", "plan_score",
+           "pooling_inputs", "score"]

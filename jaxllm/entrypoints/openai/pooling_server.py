@@ -6,16 +6,15 @@ Owns the request bodies, their mapping onto PoolingEngine (jaxllm/pooling/offlin
 same calls `LLM.embed/classify/score/encode` make, so a response holds exactly the offline
 rows) and the response shapes. Every bad input is a 400 with OpenAI's error JSON (an empty
 input list, a prompt over max_model_len without truncate_prompt_tokens, `dimensions` on a
-model without matryoshka support), an unknown model a 404. The engine runs one request at a
-time on a worker thread (it is not thread-safe); a request's inputs are one batch.
-Never touches the device itself.
+model without matryoshka support), an unknown model a 404. The engine runs on one thread of
+its own (jaxllm/pooling/batching.py), which pools the prompts of concurrent requests in
+shared steps. Never touches the device itself.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import threading
+import contextlib
 import time
 import uuid
 from typing import Literal
@@ -29,6 +28,7 @@ import jaxllm
 from jaxllm.entrypoints.openai.api_server import (APIError, InternalErrors, add_api_key_check,
                                                   error_response)
 from jaxllm.pooling import offline
+from jaxllm.pooling.batching import PoolingBatcher
 from jaxllm.pooling.engine import PoolingEngine
 from jaxllm.pooling.params import PoolingParams
 
@@ -96,9 +96,15 @@ def _usage(outputs) -> dict:
 def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str],
                       api_key: str | list[str] | None = None) -> FastAPI:
     """api_key: one key or several; routes under /v1 then need one (as the generative app)."""
-    app = FastAPI(title="jaxllm", version=jaxllm.__version__)
+    batcher = PoolingBatcher(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        batcher.close()
+
+    app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan)
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
-    lock = threading.Lock()
     labels = engine.labels
 
     @app.exception_handler(RequestValidationError)
@@ -127,11 +133,8 @@ def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str],
                            "model")
         return requested
 
-    async def run(fn, *args):
-        def locked():
-            with lock:
-                return fn(engine, *args)
-        return await asyncio.to_thread(locked)
+    async def pool(inputs, params: PoolingParams, task: str):
+        return await batcher.encode(*offline.pooling_inputs(inputs, params), task)
 
     def envelope(prefix: str, model: str, data: list, outputs) -> dict:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": "list",
@@ -143,7 +146,7 @@ def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str],
         model = model_name(body.model)
         params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
                                truncate_prompt_tokens=body.truncate_prompt_tokens)
-        outs = await run(offline.encode, _inputs(body.input), params, "embed")
+        outs = await pool(_inputs(body.input), params, "embed")
         data = [{"index": i, "object": "embedding",
                  "embedding": _encode(o.outputs.data, body.encoding_format)}
                 for i, o in enumerate(outs)]
@@ -154,7 +157,7 @@ def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str],
         model = model_name(body.model)
         params = PoolingParams(dimensions=body.dimensions,
                                truncate_prompt_tokens=body.truncate_prompt_tokens)
-        outs = await run(offline.encode, _inputs(body.input), params, "encode")
+        outs = await pool(_inputs(body.input), params, "encode")
         data = [{"index": i, "object": "pooling",
                  "data": _encode(o.outputs.data, body.encoding_format)}
                 for i, o in enumerate(outs)]
@@ -165,7 +168,7 @@ def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str],
         model = model_name(body.model)
         params = PoolingParams(use_activation=body.use_activation,
                                truncate_prompt_tokens=body.truncate_prompt_tokens)
-        outs = await run(offline.encode, _inputs(body.input), params, "classify")
+        outs = await pool(_inputs(body.input), params, "classify")
         data = []
         for i, o in enumerate(outs):
             probs = o.outputs.data
@@ -175,8 +178,9 @@ def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str],
         return envelope("classify", model, data, outs)
 
     async def scores(text_1, text_2, truncate: int | None):
-        params = PoolingParams(truncate_prompt_tokens=truncate)
-        return await run(offline.score, text_1, text_2, params)
+        plan = offline.plan_score(engine, text_1, text_2,
+                                  PoolingParams(truncate_prompt_tokens=truncate))
+        return plan.scores(await batcher.encode(plan.prompts, plan.params, plan.task))
 
     @app.post("/score")
     @app.post("/v1/score")
