@@ -22,9 +22,13 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import machine_header  # noqa: E402  (benchmarks/machine.py)
 
 _WORDS = ("time people year way day man thing woman life child world school state family "
           "student group country problem hand part place case week company system program "
@@ -100,6 +104,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     choices=["float32", "bfloat16"])
     args = ap.parse_args()
+    print(machine_header(), flush=True)
     for dtype in args.dtypes:
         compare(dtype, args)
 

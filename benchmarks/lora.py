@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from machine import machine_header  # benchmarks/machine.py
 from throughput import make_workload  # benchmarks/throughput.py
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -86,6 +87,7 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true",
                     help="compile buckets as they come (a quick check of the script)")
     args = ap.parse_args()
+    print(machine_header(), flush=True)
 
     from jaxllm import LLM, SamplingParams
     from jaxllm.lora.request import LoRARequest
