@@ -160,9 +160,10 @@ class LLM:
                          f"`--runner {runner}` to use the model as a {kind} model.")
 
     def encode(self, prompts, pooling_params=None, use_tqdm: bool = True, *,
-               pooling_task: str = "encode"):
-        """-> list[PoolingRequestOutput]: the pooled row of each prompt (str, token ids, or
-        lists of them, as generate takes)."""
+               pooling_task: str | None = None):
+        """-> list[PoolingRequestOutput] for each prompt (str, token ids, or lists of them, as
+        generate takes): its pooled row, or for "token_embed" / "token_classify" one row per
+        token. pooling_task is required, as in vLLM."""
         self._require("pooling", "LLM.encode()")
         return pooling.encode(self.llm_engine, prompts, pooling_params, pooling_task, use_tqdm)
 

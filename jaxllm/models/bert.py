@@ -131,6 +131,11 @@ class BertForSequenceClassification(nnx.Module):
         """The pooled rows (CLS) -> float32 class logits [S, C]."""
         return ops.linear(self.classifier, self.bert.pooler(pooled_SD, ops)).astype(jnp.float32)
 
+    def token_head(self, hidden_TD, ops):
+        """Every token's row -> float32 class logits [T, C]: the classifier alone (vLLM's
+        token_classify does not run BERT's [CLS] pooler)."""
+        return ops.linear(self.classifier, hidden_TD).astype(jnp.float32)
+
     @classmethod
     def adapt_checkpoint(cls, cfg: ModelConfig, tensors):
         for name, tensor in tensors:

@@ -58,6 +58,10 @@ class DecoderForSequenceClassification(DecoderForEmbedding):
         """The pooled rows -> float32 class logits [S, C]."""
         return ops.linear(self.score, pooled_SD).astype(jnp.float32)
 
+    def token_head(self, hidden_TD, ops):
+        """Every token's row -> float32 class logits [T, C] (token_classify)."""
+        return self.pooling_head(hidden_TD, ops)
+
     @classmethod
     def adapt_checkpoint(cls, cfg: ModelConfig, tensors):
         return _under_model(tensors, "score")

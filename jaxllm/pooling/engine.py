@@ -195,7 +195,7 @@ class PoolingEngine:
         """One pooling step: schedule, execute, finish each row."""
         sched = self.scheduler.schedule()
         rows = self.runner.execute([PoolingInput(r.prompt_token_ids, r.token_type_ids)
-                                    for r in sched.requests])
+                                    for r in sched.requests], sched.per_token)
         return [PoolingRequestOutput(r.request_id,
                                      PoolingOutput(finish(self.pooler_config, row, r.params)),
                                      list(r.prompt_token_ids))

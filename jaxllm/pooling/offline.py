@@ -61,8 +61,14 @@ def pooling_inputs(prompts, pooling_params=None) -> tuple[list[PromptInput],
     return parsed, broadcast_pooling_params(pooling_params, len(parsed))
 
 
-def encode(engine: PoolingEngine, prompts, pooling_params=None, task: str = "encode",
+def encode(engine: PoolingEngine, prompts, pooling_params=None, task: str | None = None,
            use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+    """`task`: one of the model's (supported_tasks), as LLM.encode's pooling_task requires."""
+    if task is None:
+        raise ValueError('pooling_task is required for LLM.encode: "embed" (or LLM.embed) for '
+                         'embeddings, "classify" (or LLM.classify) for class probabilities, '
+                         '"token_embed" or "token_classify" for one row per token; '
+                         'LLM.score for similarity scores')
     return engine.encode(*pooling_inputs(prompts, pooling_params), task, use_tqdm)
 
 

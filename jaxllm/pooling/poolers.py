@@ -2,8 +2,11 @@
 and what a request's parameters do to that row afterwards (on the host).
 
 Owns the three pooling types as small objects (mean, CLS = first token, last token), chosen
-once per engine from PoolerConfig, and `finish`: matryoshka truncation then L2 normalization
-for embeddings (vLLM's order), softmax or sigmoid for class logits. Never runs the model.
+once per engine from PoolerConfig; the tasks a model serves (vLLM's: "embed" and
+"token_embed" for an embedding model, "classify" and "token_classify" for a classifier; a
+token task keeps every token's row) and `check_params`; and `finish`: matryoshka truncation
+then L2 normalization for embeddings (vLLM's order), softmax or sigmoid for class logits, each
+over the last axis (of a pooled row, or of every token's row). Never runs the model.
 
 Letters: T packed tokens, S sequences, D model dim.
 """
@@ -52,15 +55,67 @@ class LastTokenPool:
 
 POOLERS = {"MEAN": MeanPool, "CLS": FirstTokenPool, "LAST": LastTokenPool}
 
+@dataclasses.dataclass(frozen=True)
+class PooledRows:
+    """A step's output for the sequence tasks: one row per prompt, the pooler's, through the
+    model's pooling head if it has one (a classifier) -> float32 [S, O]."""
+
+    pooler: object
+
+    def __call__(self, model, hidden_TD, md: PoolingMetadata, ops):
+        pooled_SD = self.pooler(hidden_TD, md)
+        head = getattr(model, "pooling_head", None)
+        out_SO = pooled_SD if head is None else head(pooled_SD.astype(hidden_TD.dtype), ops)
+        return out_SO.astype(jnp.float32)
+
+    @staticmethod
+    def split(out_SO: np.ndarray, starts: list[int], lens: list[int]) -> list[np.ndarray]:
+        return [out_SO[s] for s in range(len(lens))]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRows:
+    """A step's output for the token tasks: every token's row, through the model's token head
+    if it has one (vLLM's: the classifier alone, without BERT's [CLS] pooler) -> float32
+    [T, O]."""
+
+    def __call__(self, model, hidden_TD, md: PoolingMetadata, ops):
+        head = getattr(model, "token_head", None)
+        return (hidden_TD if head is None else head(hidden_TD, ops)).astype(jnp.float32)
+
+    @staticmethod
+    def split(out_TO: np.ndarray, starts: list[int], lens: list[int]) -> list[np.ndarray]:
+        return [out_TO[start:start + n] for start, n in zip(starts, lens)]
+
+
+# vLLM 0.32's messages for the tasks it removed
+REMOVED_TASKS = {
+    "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead.",
+    "score": "`score` task was removed; use `classify` instead.",
+}
+
 
 def make_pooler(cfg: PoolerConfig):
     return POOLERS[cfg.pooling_type]()
 
 
+def supported_tasks(cfg: PoolerConfig) -> tuple[str, str]:
+    """The model's own task, and its token-level form."""
+    return cfg.task, f"token_{cfg.task}"
+
+
+def is_token_task(task: str) -> bool:
+    """Whether the task keeps one row per token (else one per prompt)."""
+    return task.startswith("token_")
+
+
 def check_params(cfg: PoolerConfig, params: PoolingParams, task: str) -> None:
-    """A request's parameters against the model: ValueError naming what is wrong."""
-    if task not in (cfg.task, "encode"):
-        raise ValueError(f"this model serves the {cfg.task!r} task, not {task!r}")
+    """A request's task and parameters against the model: ValueError naming what is wrong."""
+    if task in REMOVED_TASKS:
+        raise ValueError(REMOVED_TASKS[task])
+    if task not in supported_tasks(cfg):
+        raise ValueError(f"Unsupported task: {task!r} Supported tasks: "
+                         f"{supported_tasks(cfg)}")
     if params.dimensions is not None:
         if cfg.task != "embed":
             raise ValueError("dimensions applies to embedding models only")
@@ -74,20 +129,22 @@ def check_params(cfg: PoolerConfig, params: PoolingParams, task: str) -> None:
 
 
 def finish(cfg: PoolerConfig, row: np.ndarray, params: PoolingParams) -> np.ndarray:
-    """One pooled float32 row -> what the request gets back."""
+    """One float32 row [O] (a pooled prompt) or rows [n, O] (every token of one prompt) ->
+    what the request gets back; each row is finished on its own."""
     if cfg.task == "embed":
         if params.dimensions is not None:
-            row = row[:params.dimensions]
+            row = row[..., :params.dimensions]
         normalize = cfg.normalize if params.normalize is None else params.normalize
-        if normalize:
-            row = row / max(float(np.linalg.norm(row)), 1e-12)  # torch's F.normalize eps
+        if normalize:  # torch's F.normalize eps
+            row = row / np.maximum(np.linalg.norm(row, axis=-1, keepdims=True), 1e-12)
         return row
     if not params.applies_activation():
         return row
     if cfg.activation == "sigmoid":
         return 1.0 / (1.0 + np.exp(-row))
-    e = np.exp(row - row.max())
-    return e / e.sum()
+    e = np.exp(row - row.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
-__all__ = ["POOLERS", "check_params", "finish", "make_pooler"]
+__all__ = ["POOLERS", "REMOVED_TASKS", "PooledRows", "TokenRows", "check_params", "finish", "is_token_task",
+           "make_pooler", "supported_tasks"]

@@ -1,11 +1,14 @@
 """PoolingRunner: the pooling sibling of runner/model_runner.py. Scheduled whole prompts in, one
-pooled float32 row per prompt out; no KV cache, no sampler.
+pooled float32 row per prompt out (or, for a token task, one per token); no KV cache, no
+sampler.
 
-Owns packing a step's prompts into padded device arrays (PoolingMetadata), the jitted step
-(model forward -> pooler -> the model's head, if it has one) over (graphdef, state), and its
-static shapes: the token buckets of runner/buckets.py (T powers of two up to
-max_num_batched_tokens, S = min(T, max_num_seqs)), every one compiled at start-up unless
-enforce_eager. Never sees a Request and never decides what runs (jaxllm/pooling/scheduler.py).
+Owns packing a step's prompts into padded device arrays (PoolingMetadata), the jitted steps
+(model forward -> PooledRows: pooler -> the model's head, if it has one; or TokenRows: every
+token -> the model's token head) over (graphdef, state), and their static shapes: the token
+buckets of runner/buckets.py (T powers of two up to max_num_batched_tokens, S = min(T,
+max_num_seqs)), every pooled one compiled at start-up unless enforce_eager; the token step
+compiles a bucket when a token task first needs it. Never sees a Request and never decides
+what runs (jaxllm/pooling/scheduler.py).
 
 Packed layout, blocks of 8 rows (attention.py), T = 16, S = 16 (3 prompts, placed first fit in
 scheduled order: p2 does not fit block 0 after p0 and p1, and goes to block 1):
@@ -35,6 +38,7 @@ from flax import nnx
 from jaxllm.kernels.linear_methods import LinearMethod
 from jaxllm.models.parallel import ParallelOps
 from jaxllm.pooling.attention import BlockPacking, DenseAttention, PoolingMetadata, Tiling
+from jaxllm.pooling.poolers import PooledRows, TokenRows
 from jaxllm.runner.buckets import BucketConfig
 
 logger = logging.getLogger(__name__)
@@ -49,21 +53,17 @@ class PoolingInput:
     token_type_ids: tuple[int, ...] | None = None
 
 
-def make_pooling_step(graphdef, pooler, causal: bool, linear_method: LinearMethod,
+def make_pooling_step(graphdef, rows, causal: bool, linear_method: LinearMethod,
                       tiling: Tiling | None = None):
-    """The jitted step: (state, md) -> float32 [S, O]. Static: the model's graph, the pooler,
-    bidirectional or causal attention and its tile (attention.py), the linear method the
-    weights were processed for."""
+    """The jitted step: (state, md) -> float32 [S, O] (PooledRows) or [T, O] (TokenRows).
+    Static: the model's graph, the rows it returns, bidirectional or causal attention and its
+    tile (attention.py), the linear method the weights were processed for."""
     ops = ParallelOps(DenseAttention(causal, tiling), linear_method)
 
     @jax.jit
     def step(state, md: PoolingMetadata):
         model = nnx.merge(graphdef, state)
-        hidden_TD = model(md, ops)
-        pooled_SD = pooler(hidden_TD, md)
-        head = getattr(model, "pooling_head", None)
-        out_SO = pooled_SD if head is None else head(pooled_SD.astype(hidden_TD.dtype), ops)
-        return out_SO.astype(jnp.float32)
+        return rows(model, model(md, ops), md, ops)
 
     return step
 
@@ -87,24 +87,30 @@ class PoolingRunner:
                                                           max_num_batched_tokens))
         self.tiling = Tiling.for_max_model_len(max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self._step = make_pooling_step(self.graphdef, pooler, causal, linear_method,
-                                       self.tiling)
+        # per_token -> how the step's rows are made and split per prompt
+        self._rows = {False: PooledRows(pooler), True: TokenRows()}
+        self._steps = {per_token: make_pooling_step(self.graphdef, rows, causal,
+                                                    linear_method, self.tiling)
+                       for per_token, rows in self._rows.items()}
         self.num_compiles = 0
-        self._compiled: dict[int, object] = {}
+        self._compiled: dict[tuple[bool, int], object] = {}
         if not enforce_eager:
             for T in self.buckets.token_buckets:
-                self._compile(T)
+                self._compile(False, T)
 
-    def _compile(self, T: int):
+    def _compile(self, per_token: bool, T: int):
         S = self.buckets.seqs_for(T)
         md = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                           _pack([], T, S))
-        self._compiled[T] = self._step.lower(self.state, md).compile()
+        fn = self._steps[per_token].lower(self.state, md).compile()
+        self._compiled[per_token, T] = fn
         self.num_compiles += 1
-        return self._compiled[T]
+        return fn
 
-    def execute(self, inputs: list[PoolingInput]) -> np.ndarray:
-        """-> float32 [len(inputs), O], one pooled (and headed) row per prompt, in order."""
+    def execute(self, inputs: list[PoolingInput], per_token: bool = False
+                ) -> list[np.ndarray]:
+        """-> per prompt, in order: its float32 pooled (and headed) row [O], or, per_token,
+        its tokens' rows [n, O]."""
         packing = BlockPacking.for_budget(self.tiling, self.max_num_batched_tokens)
         starts = [packing.add(len(p.token_ids)) for p in inputs]
         if None in starts:
@@ -112,9 +118,9 @@ class PoolingRunner:
                              "(PoolingScheduler admits only prompts that fit)")
         T = self.buckets.pad(max(packing.end(), 1), len(inputs), 1)[0]
         S = self.buckets.seqs_for(T)
-        fn = self._compiled.get(T) or self._compile(T)
-        out_SO = fn(self.state, _pack(inputs, T, S, starts))
-        return np.asarray(jax.device_get(out_SO))[:len(inputs)]
+        fn = self._compiled.get((per_token, T)) or self._compile(per_token, T)
+        out = np.asarray(jax.device_get(fn(self.state, _pack(inputs, T, S, starts))))
+        return self._rows[per_token].split(out, starts, [len(p.token_ids) for p in inputs])
 
 
 def _pack(inputs: list[PoolingInput], T: int, S: int,

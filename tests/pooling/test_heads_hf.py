@@ -60,6 +60,20 @@ def hf_logits(model, tok, *texts):
         return model(**tok(*texts, return_tensors="pt")).logits[0].double().numpy()
 
 
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def hf_token_probs(base, head, tok, text):
+    """token_classify's reference: the classifier on every token's hidden state, softmax."""
+    import torch
+
+    with torch.no_grad():
+        hidden = base(**tok(text, return_tensors="pt")).last_hidden_state
+        return softmax(head(hidden)[0].double().numpy())
+
+
 def test_bert_classifier_softmax(tmp_path):
     hf = tiny_hf_model("BertConfig", "BertForSequenceClassification", 1, num_labels=3, **BERT)
     path = save(hf, tmp_path)
@@ -76,6 +90,14 @@ def test_bert_classifier_softmax(tmp_path):
     np.testing.assert_allclose(raw, hf_logits(hf, tok, TEXTS[0]), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="num_labels == 1"):
         llm.score(QUERIES[0], DOCS)
+    # token_classify: the classifier alone on every token (not BERT's [CLS] pooler)
+    tokens = llm.encode(TEXTS, pooling_task="token_classify")
+    for text, out in zip(TEXTS, tokens):
+        ref = hf_token_probs(hf.bert, hf.classifier, tok, text)
+        assert out.outputs.data.shape == ref.shape == (len(out.prompt_token_ids), 3)
+        np.testing.assert_allclose(out.outputs.data, ref, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=r"Unsupported task: 'token_embed'"):
+        llm.encode(TEXTS, pooling_task="token_embed")
 
 
 def test_bert_cross_encoder_score(tmp_path):
@@ -101,6 +123,9 @@ def test_qwen3_classifier_last_token(tmp_path):
         logits = hf_logits(hf, tok, text)
         ref = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
         np.testing.assert_allclose(out.outputs.probs, ref, atol=1e-4, rtol=0)
+    for text, out in zip(TEXTS, llm.encode(TEXTS, pooling_task="token_classify")):
+        ref = hf_token_probs(hf.model, hf.score, tok, text)
+        np.testing.assert_allclose(out.outputs.data, ref, atol=1e-4, rtol=0)
 
 
 def test_qwen3_causal_lm_converted_to_embeddings(tmp_path):

@@ -108,9 +108,31 @@ def test_refusals(llm):
         llm.generate("hello")
     with pytest.raises(ValueError, match="matryoshka"):
         llm.embed("hello", pooling_params=PoolingParams(dimensions=16))
-    with pytest.raises(ValueError, match="'embed' task, not 'classify'"):
+    with pytest.raises(ValueError, match=r"Unsupported task: 'classify' Supported tasks: "
+                                         r"\('embed', 'token_embed'\)"):
         llm.classify("hello")
+    with pytest.raises(ValueError, match="pooling_task is required"):
+        llm.encode("hello")
+    with pytest.raises(ValueError, match="`encode` task was removed; use `token_embed`"):
+        llm.encode("hello", pooling_task="encode")
     with pytest.raises(ValueError, match="at least one prompt"):
         llm.embed([])
     with pytest.raises(ValueError, match="runner must be one of"):
         LLM(runner="encoder")
+
+
+def test_token_embed_is_every_token_normalized(llm, st_model):
+    """vLLM's token_embed: each token's last hidden state, L2-normalized (sentence-transformers'
+    token_embeddings, unnormalized, are the reference); steps of token and sequence tasks are
+    never mixed, and both come back in input order."""
+    texts = SENTENCES[:6]
+    tokens = llm.encode(texts, pooling_task="token_embed")
+    ref = st_model.encode(texts, output_value="token_embeddings")
+    for out, r in zip(tokens, ref):
+        r = r.numpy().astype(np.float64)
+        assert out.outputs.data.shape == r.shape == (len(out.prompt_token_ids), 384)
+        np.testing.assert_allclose(out.outputs.data, r / np.linalg.norm(r, axis=1)[:, None],
+                                   atol=1e-5, rtol=0)
+    pooled = llm.encode(texts, pooling_task="embed")
+    np.testing.assert_array_equal([o.outputs.data for o in pooled],
+                                  [o.outputs.embedding for o in llm.embed(texts)])

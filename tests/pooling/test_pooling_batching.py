@@ -28,9 +28,9 @@ def steps(engine, monkeypatch):
     seen = []
     execute = engine.runner.execute
 
-    def recording(inputs):
+    def recording(inputs, per_token=False):
         seen.append(len(inputs))
-        return execute(inputs)
+        return execute(inputs, per_token)
 
     monkeypatch.setattr(engine.runner, "execute", recording)
     return seen

@@ -64,7 +64,8 @@ def test_inputs_as_token_ids_and_one_string(app, minilm):
 def test_pooling_score_and_rerank(app, minilm):
     pooled = post(app, "/pooling", {"input": TEXTS[:1]}).json()
     assert pooled["data"][0]["object"] == "pooling"
-    assert pooled["data"][0]["data"] == minilm.encode(TEXTS[:1])[0].outputs.data.tolist()
+    assert pooled["data"][0]["data"] == \
+        minilm.encode(TEXTS[:1], pooling_task="embed")[0].outputs.data.tolist()
     offline = [s.outputs.score for s in minilm.score(TEXTS[0], TEXTS[1:])]
     score = post(app, "/score", {"text_1": TEXTS[0], "text_2": TEXTS[1:]}).json()
     assert [d["score"] for d in score["data"]] == offline
@@ -103,3 +104,11 @@ def test_truncation_and_unknown_model(app):
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 16
     missing = post(app, "/v1/embeddings", {"input": "hi", "model": "other"})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+
+
+def test_pooling_token_task_rows_per_token(app, minilm):
+    want = minilm.encode(TEXTS[:2], pooling_task="token_embed")
+    body = post(app, "/pooling", {"input": TEXTS[:2], "task": "token_embed"}).json()
+    assert [d["data"] for d in body["data"]] == [o.outputs.data.tolist() for o in want]
+    bad = post(app, "/pooling", {"input": TEXTS[:1], "task": "encode"})
+    assert bad.status_code == 400 and "`encode` task was removed" in bad.json()["error"]["message"]

@@ -53,6 +53,7 @@ class PoolingRequest(_Body):
     input: Input
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
+    task: str | None = None  # the model's own task unless given (a token task: rows per token)
 
 
 class ClassificationRequest(_Body):
@@ -157,7 +158,7 @@ def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str],
         model = model_name(body.model)
         params = PoolingParams(dimensions=body.dimensions,
                                truncate_prompt_tokens=body.truncate_prompt_tokens)
-        outs = await pool(_inputs(body.input), params, "encode")
+        outs = await pool(_inputs(body.input), params, body.task or engine.pooler_config.task)
         data = [{"index": i, "object": "pooling",
                  "data": _encode(o.outputs.data, body.encoding_format)}
                 for i, o in enumerate(outs)]
