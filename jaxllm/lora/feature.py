@@ -37,10 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.peft import TARGET_MODULES, LoRACache, LoRAModel, Projection
 from jaxllm.lora.request import lora_request_of
+from jaxllm.models.sharding import partition_spec
 from jaxllm.runner.device_rows import DeviceRows, row_buckets
 from jaxllm.runner.step_features import StepFeature
 
@@ -70,9 +72,16 @@ class LoRAFeature(StepFeature):
         for p in cache.projections.values():
             shapes[p.name] = (p.in_features, p.out_features)
             layers[p.name] = max(layers[p.name], p.layer + 1)
+        # Split over the mesh as the layer they adapt (models/sharding.py): A by K where the
+        # layer is row-parallel (o, down), B by N where it is column-parallel (q/k/v,
+        # gate/up), so a device holds only the slice its shard multiplies.
+        axes = {p.name: partition_spec(tuple(path.split(".")) + ("kernel",))
+                for path, p in cache.projections.items()}
         self.tables: dict[str, tuple[DeviceRows, DeviceRows]] = {
-            t: (DeviceRows(M, (layers[t], K, R), dtype, 0, row_buckets=(1,)),
-                DeviceRows(M, (layers[t], R, N), dtype, 0, row_buckets=(1,)))
+            t: (DeviceRows(M, (layers[t], K, R), dtype, 0, row_buckets=(1,),
+                           partition_spec=PartitionSpec(None, None, axes[t][0], None)),
+                DeviceRows(M, (layers[t], R, N), dtype, 0, row_buckets=(1,),
+                           partition_spec=PartitionSpec(None, None, None, axes[t][1])))
             for t, (K, N) in shapes.items()}
         self.index = DeviceRows(num_slots, (), np.int32, M, row_buckets=row_buckets(num_slots))
         # Host state: lora_int_id -> its adapter slot; the requests using each; free slots

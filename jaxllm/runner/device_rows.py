@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.runner.buckets import pad_to_bucket, power_of_two_buckets
 from jaxllm.runner.step import CompiledFunctions
@@ -64,10 +65,13 @@ class RowUpdate:
 
 class DeviceRows:
     """One per-slot table. entry_buckets / row_buckets: the padded sizes of each kind of
-    upload (an empty tuple: that kind is never sent)."""
+    upload (an empty tuple: that kind is never sent). partition_spec: how the table is split
+    over the runner's mesh (None: replicated, as every table but a few large weight tables,
+    e.g. LoRA's, split like the layer they adapt)."""
 
     def __init__(self, num_slots: int, row_shape: Sequence[int], dtype, fill, *,
-                 entry_buckets: tuple[int, ...] = (), row_buckets: tuple[int, ...] = ()):
+                 entry_buckets: tuple[int, ...] = (), row_buckets: tuple[int, ...] = (),
+                 partition_spec: PartitionSpec | None = None):
         if not entry_buckets and not row_buckets:
             raise ValueError("DeviceRows needs entry_buckets or row_buckets (or both).")
         self.num_slots = num_slots
@@ -80,6 +84,7 @@ class DeviceRows:
                              f"large for int32 entry indices; use row_buckets only.")
         self.entry_buckets = tuple(entry_buckets)
         self.row_buckets = tuple(row_buckets)
+        self.partition_spec = partition_spec
         self.host = np.full((num_slots + 1, *self.row_shape), fill, self.dtype)
         self._flat = self.host.reshape(num_slots + 1, self.row_size)  # a view
         self._entries: list[np.ndarray] = []  # flat indices written since the last flush
@@ -168,21 +173,26 @@ class DeviceRows:
     def place(self, sharding) -> None:
         """(Re)build the device copy from the mirror: at start-up, and after a failed step
         consumed the device state. Anything pending is in the copy, so nothing stays
-        pending."""
+        pending. `sharding`: the runner's replicated one (None: the default device); the
+        table itself is split as its partition_spec says, over that sharding's mesh."""
+        table = sharding
+        if sharding is not None and self.partition_spec is not None:
+            table = NamedSharding(sharding.mesh, self.partition_spec)
         # A copy: on CPU the device array may alias the buffer it is given, and the
         # mirror keeps changing.
-        self.device = jax.device_put(self.host.copy(), sharding)
+        self.device = jax.device_put(self.host.copy(), table)
         self._entries.clear()
         self._rows.clear()
         if self._fns is None:
-            self._fns = CompiledFunctions(jax.jit(_apply, static_argnums=0, donate_argnums=1),
-                                          lambda kind, size: self._abstract(kind, size, sharding))
+            self._fns = CompiledFunctions(
+                jax.jit(_apply, static_argnums=0, donate_argnums=1),
+                lambda kind, size: self._abstract(kind, size, table, sharding))
 
-    def _abstract(self, kind: str, size: int, sharding) -> tuple:
+    def _abstract(self, kind: str, size: int, table, sharding) -> tuple:
         sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa
         values = (size,) if kind == "entries" else (size, *self.row_shape)
-        return (kind, sds(self.host.shape, self.dtype), sds((size,), np.int32),
-                sds(values, self.dtype))
+        return (kind, jax.ShapeDtypeStruct(self.host.shape, self.dtype, sharding=table),
+                sds((size,), np.int32), sds(values, self.dtype))
 
     def flush(self) -> int:
         """Send the pending changes to the device copy; -> the bytes sent."""

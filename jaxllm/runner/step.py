@@ -147,9 +147,11 @@ def with_slot_rows(md: AttentionMetadata, smd: SamplingMetadata, rows: dict[str,
 def abstract_slot_row_inputs(T: int, S: int, W: int, rows: dict[str, jax.Array], sharding=None
                              ) -> tuple:
     """(md, bm, smd, rows, W) of a (T, S, W) step whose per-slot rows are the device tables
-    `rows` (the tail of the step's arguments after the token history)."""
+    `rows` (the tail of the step's arguments after the token history), each with its own
+    sharding (most are replicated; runner/device_rows.py)."""
     md, bm, smd = abstract_inputs(T, S, W, sharding)
-    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
+    # each table as it is placed (most replicated; runner/device_rows.py)
+    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
     return (md.replace(block_tables=None), bm,
             smd.replace(bad_words=None, allowed_token_bits=None),
             {name: sds(table) for name, table in rows.items()}, W)
