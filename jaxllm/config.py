@@ -98,6 +98,9 @@ class EngineConfig:
     # (a causal LM served as an embedding or classification model).
     runner: str = "auto"
     convert: str = "auto"
+    # vLLM's PoolerConfig fields, as a dict (pooling models only; jaxllm/pooling/config.py):
+    # "task" (e.g. "token_embed"), "pooling_type" / "seq_pooling_type", "use_activation".
+    pooler_config: dict | None = None
     # Speculative decoding (jaxllm/spec_decode/): a SpeculativeConfig or a dict of vLLM's
     # speculative_config fields, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: SpeculativeConfig | None = None

@@ -63,6 +63,9 @@ class LLM:
             self.runner_type = "pooling"
             self.llm_engine = PoolingEngine(config)
             return
+        if config.pooler_config is not None:
+            raise ValueError("pooler_config applies to pooling models; this one generates "
+                             "(pass runner='pooling' or convert='embed' / 'classify')")
         self.runner_type = "generate"
         self.llm_engine = LLMEngine(config, use_tqdm=use_tqdm_on_load)
 

@@ -97,7 +97,7 @@ _TABLE = """
 --h11-max-incomplete-event-size              value impl
 --h11-max-header-count                       value noop          uvicorn's h11 keeps its own header limit
 --enable-offline-docs,--no-enable-offline-docs bool  noop          the docs pages are FastAPI's own
---enable-flash-late-interaction,--no-enable-flash-late-interaction bool  noop          pooling models are not served
+--enable-flash-late-interaction,--no-enable-flash-late-interaction bool  noop          late-interaction scoring is not implemented
 [ModelConfig]
 --model                                      value impl
 --runner                                     value impl
@@ -133,7 +133,7 @@ _TABLE = """
 --hf-token                                   value noop          jaxllm reads local models only (no hub downloads)
 --hf-overrides                               value only=         not supported
 --model-class-overrides                      value only=         not supported
---pooler-config                              value only=         pooling models are not served
+--pooler-config                              value impl
 --generation-config                          value only=auto     the model's generation_config.json is read
 --override-generation-config                 value only=         not supported
 --enable-sleep-mode,--no-enable-sleep-mode   bool  impl

@@ -3,10 +3,11 @@
 Owns: the runner choice (vLLM's `runner` "auto" | "generate" | "pooling" and `convert`
 "auto" | "none" | "embed" | "classify"; the deprecated `task` maps onto them), the pooling
 architecture a checkpoint becomes (a `*ForCausalLM` with convert="embed" is its `*Model`),
-its ModelConfig, and `PoolerConfig`: the pooling type (sentence-transformers'
-`modules.json` + `1_Pooling/config.json` when present, else the architecture's default),
-normalization, the classifier's activation, and matryoshka support. Never imports jax and
-never loads weights.
+its ModelConfig, and `PoolerConfig`: the engine's pooling task (vLLM's: the model's "embed"
+or "classify", or with `pooler_config={"task": ...}` its token form), the pooling type
+(sentence-transformers' `modules.json` + `1_Pooling/config.json` when present, else the
+architecture's default; `pooler_config` may set it), normalization, the classifier's
+activation, and matryoshka support. Never imports jax and never loads weights.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ TASKS = {"auto": ("auto", "auto"), "generate": ("generate", "auto"),
          "classify": ("pooling", "classify"), "score": ("pooling", "classify"),
          "encode": ("pooling", "auto")}
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
+# The keys of vLLM's PoolerConfig that jaxllm applies (LLM(pooler_config=...), --pooler-config)
+POOLER_CONFIG_KEYS = ("task", "pooling_type", "seq_pooling_type", "use_activation")
 _FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 _ENCODERS = ("BertModel", "BertForSequenceClassification")
 
@@ -65,17 +68,55 @@ def pooling_architecture(arch: str, convert: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PoolerConfig:
-    task: str                 # "embed" or "classify"
+    task: str                 # what the model is: "embed" or "classify"
     pooling_type: str         # POOLING_TYPES
     normalize: bool = True    # embeddings: L2-normalize by default
     activation: str | None = None  # classify: "softmax" or "sigmoid"
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    use_activation: bool = True  # classify: apply the activation unless a request says
+    pooling_task: str | None = None  # what the engine pools (None: `task`), or "token_" + task
 
     def __post_init__(self):
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got "
                              f"{self.pooling_type!r}")
+        if self.pooling_task is None:
+            object.__setattr__(self, "pooling_task", self.task)
+        if self.pooling_task not in (self.task, f"token_{self.task}"):
+            raise ValueError(f"pooler_config task must be one of "
+                             f"{[f'token_{self.task}', self.task]} for this model, got "
+                             f"{self.pooling_task!r}")
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the engine keeps every token's row (a token task) or one per prompt."""
+        return self.pooling_task != self.task
+
+
+def pooler_config_overrides(value) -> dict:
+    """vLLM's pooler_config (a dict of its fields, or that dict as JSON, as `--pooler-config`
+    gives it; None: nothing) -> the fields jaxllm applies; ValueError naming any other."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"pooler_config must be a JSON object, got {value!r}: {e}") \
+                from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"pooler_config must be a dict of vLLM's PoolerConfig fields, got "
+                         f"{type(value).__name__}")
+    unknown = sorted(set(value) - set(POOLER_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"pooler_config fields {unknown} are not supported; jaxllm applies "
+                         f"{list(POOLER_CONFIG_KEYS)}")
+    if value.get("use_activation") is not None and not isinstance(value["use_activation"],
+                                                                   bool):
+        raise ValueError(f"pooler_config use_activation must be a bool, got "
+                         f"{value['use_activation']!r}")
+    return {k: v for k, v in value.items() if v is not None}
 
 
 def _read(path: str):
@@ -113,9 +154,26 @@ def _num_labels(hf: Mapping[str, Any]) -> int:
     return len(labels) if isinstance(labels, Mapping) and labels else 2  # HF's default
 
 
-def read_pooling_model(model_dir: str, hf: Mapping[str, Any], convert: str
+def read_pooling_model(model_dir: str, hf: Mapping[str, Any], convert: str,
+                       pooler_config: Mapping | None = None
                        ) -> tuple[ModelConfig, PoolerConfig]:
-    """The ModelConfig (its architecture the pooling one) and PoolerConfig of a checkpoint."""
+    """The ModelConfig (its architecture the pooling one) and PoolerConfig of a checkpoint,
+    with vLLM's `pooler_config` overrides (task, pooling type, use_activation) applied."""
+    cfg, pooler = _read_pooling_model(model_dir, hf, convert)
+    over = pooler_config_overrides(pooler_config)
+    pooling_type = over.get("seq_pooling_type", over.get("pooling_type"))
+    if pooling_type is not None:
+        pooler = dataclasses.replace(pooler, pooling_type=str(pooling_type).upper())
+    if "use_activation" in over:
+        pooler = dataclasses.replace(pooler, normalize=over["use_activation"],
+                                     use_activation=over["use_activation"])
+    if "task" in over:
+        pooler = dataclasses.replace(pooler, pooling_task=over["task"])
+    return cfg, pooler
+
+
+def _read_pooling_model(model_dir: str, hf: Mapping[str, Any], convert: str
+                        ) -> tuple[ModelConfig, PoolerConfig]:
     arch = pooling_architecture(architecture_of(hf), convert)
     family = next((f for f in _FAMILIES if arch.startswith(f)), None)
     # A decoder's keys are read as its causal LM's (qk_norm for Qwen3, qkv bias for Qwen2).
@@ -173,4 +231,4 @@ def wants_pooling_runner(model: str | None, runner: str, convert: str) -> bool:
         return False    # the file, as it does for any model
 
 
-__all__ = ["PoolerConfig", "read_pooling_model", "runner_and_convert", "wants_pooling_runner"]
+__all__ = ["PoolerConfig", "pooler_config_overrides", "read_pooling_model", "runner_and_convert", "wants_pooling_runner"]

@@ -31,7 +31,7 @@ from jaxllm.pooling.attention import Tiling
 from jaxllm.pooling.config import read_pooling_model
 from jaxllm.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from jaxllm.pooling.params import PoolingParams
-from jaxllm.pooling.poolers import check_params, finish, make_pooler
+from jaxllm.pooling.poolers import check_params, finish, make_rows
 from jaxllm.pooling.runner import PoolingInput, PoolingRunner
 from jaxllm.pooling.scheduler import PoolingRequest, PoolingScheduler
 from jaxllm.tokenizer import get_tokenizer
@@ -60,7 +60,8 @@ class PoolingEngine:
             raise ValueError(f"pooling models load from Hugging Face directories; "
                              f"{resolved.name!r} is a {resolved.kind}")
         hf = read_json(os.path.join(resolved.path, "config.json"))
-        mcfg, self.pooler_config = read_pooling_model(resolved.path, hf, config.convert)
+        mcfg, self.pooler_config = read_pooling_model(resolved.path, hf, config.convert,
+                                                      config.pooler_config)
         id2label = hf.get("id2label") if isinstance(hf.get("id2label"), dict) else {}
         self.labels = {int(k): str(v) for k, v in id2label.items() if str(k).isdigit()}
         # "auto" is float32 on the CPU: an encoder's step is small, and parity is exact.
@@ -74,7 +75,7 @@ class PoolingEngine:
         self.scheduler = PoolingScheduler(config.max_num_batched_tokens, config.max_num_seqs,
                                           Tiling.for_max_model_len(config.max_model_len))
         self.runner = PoolingRunner(
-            self.model, make_pooler(self.pooler_config),
+            self.model, make_rows(self.pooler_config),
             causal=not getattr(self.model, "bidirectional", False),
             linear_method=select_linear_method(config.linear_backend, dtype),
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -195,7 +196,7 @@ class PoolingEngine:
         """One pooling step: schedule, execute, finish each row."""
         sched = self.scheduler.schedule()
         rows = self.runner.execute([PoolingInput(r.prompt_token_ids, r.token_type_ids)
-                                    for r in sched.requests], sched.per_token)
+                                    for r in sched.requests])
         return [PoolingRequestOutput(r.request_id,
                                      PoolingOutput(finish(self.pooler_config, row, r.params)),
                                      list(r.prompt_token_ids))

@@ -37,11 +37,12 @@ class PoolingParams:
     def clone(self) -> "PoolingParams":
         return dataclasses.replace(self)
 
-    def applies_activation(self) -> bool:
+    def applies_activation(self, default: bool = True) -> bool:
+        """The request's choice, else `default` (the engine's pooler_config)."""
         for value in (self.use_activation, self.activation, self.softmax):
             if value is not None:
                 return value
-        return True
+        return default
 
 
 __all__ = ["PoolingParams"]

@@ -2,11 +2,13 @@
 and what a request's parameters do to that row afterwards (on the host).
 
 Owns the three pooling types as small objects (mean, CLS = first token, last token), chosen
-once per engine from PoolerConfig; the tasks a model serves (vLLM's: "embed" and
-"token_embed" for an embedding model, "classify" and "token_classify" for a classifier; a
-token task keeps every token's row) and `check_params`; and `finish`: matryoshka truncation
-then L2 normalization for embeddings (vLLM's order), softmax or sigmoid for class logits, each
-over the last axis (of a pooled row, or of every token's row). Never runs the model.
+once per engine from PoolerConfig; the rows a step returns (PooledRows: one per prompt;
+TokenRows: one per token, for the engine's token task); `check_params`, vLLM's rules for a
+request's task (an embedding model supports "embed" and "token_embed", a classifier
+"classify" and "token_classify"; an engine pools one of them, its PoolerConfig's
+pooling_task) and parameters; and `finish`: matryoshka truncation then L2 normalization for
+embeddings (vLLM's order), softmax or sigmoid for class logits, each over the last axis (of a
+pooled row, or of every token's row). Never runs the model.
 
 Letters: T packed tokens, S sequences, D model dim.
 """
@@ -88,34 +90,35 @@ class TokenRows:
         return [out_TO[start:start + n] for start, n in zip(starts, lens)]
 
 
-# vLLM 0.32's messages for the tasks it removed
-REMOVED_TASKS = {
-    "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead.",
-    "score": "`score` task was removed; use `classify` instead.",
-}
-
-
 def make_pooler(cfg: PoolerConfig):
     return POOLERS[cfg.pooling_type]()
 
 
-def supported_tasks(cfg: PoolerConfig) -> tuple[str, str]:
-    """The model's own task, and its token-level form."""
-    return cfg.task, f"token_{cfg.task}"
+def make_rows(cfg: PoolerConfig):
+    """What the engine's step returns: every token's row for a token task, else the pooled
+    row of each prompt."""
+    return TokenRows() if cfg.per_token else PooledRows(make_pooler(cfg))
 
 
-def is_token_task(task: str) -> bool:
-    """Whether the task keeps one row per token (else one per prompt)."""
-    return task.startswith("token_")
+def supported_tasks(cfg: PoolerConfig) -> list[str]:
+    """The tasks the model supports, as vLLM lists them (one per engine: pooling_task)."""
+    return [f"token_{cfg.task}", cfg.task]
 
 
 def check_params(cfg: PoolerConfig, params: PoolingParams, task: str) -> None:
-    """A request's task and parameters against the model: ValueError naming what is wrong."""
-    if task in REMOVED_TASKS:
-        raise ValueError(REMOVED_TASKS[task])
+    """A request's task and parameters against the engine: ValueError naming what is
+    wrong, with vLLM's rules and advice."""
+    if task in ("embed", "token_embed") and cfg.task != "embed":
+        raise ValueError("Embedding API is not supported by this model. Try converting the "
+                         "model using `--convert embed`.")
+    if task in ("classify", "token_classify") and cfg.task != "classify":
+        raise ValueError("Classification API is not supported by this model. Try converting "
+                         "the model using `--convert classify`.")
     if task not in supported_tasks(cfg):
-        raise ValueError(f"Unsupported task: {task!r} Supported tasks: "
-                         f"{supported_tasks(cfg)}")
+        raise ValueError(f"Unsupported task: {task!r} Supported tasks: {supported_tasks(cfg)}")
+    if task != cfg.pooling_task:
+        raise ValueError(f"this engine pools {cfg.pooling_task!r}; for {task!r}, try switching "
+                         f"the model's pooling_task via pooler_config={{'task': {task!r}}}")
     if params.dimensions is not None:
         if cfg.task != "embed":
             raise ValueError("dimensions applies to embedding models only")
@@ -138,7 +141,7 @@ def finish(cfg: PoolerConfig, row: np.ndarray, params: PoolingParams) -> np.ndar
         if normalize:  # torch's F.normalize eps
             row = row / np.maximum(np.linalg.norm(row, axis=-1, keepdims=True), 1e-12)
         return row
-    if not params.applies_activation():
+    if not params.applies_activation(cfg.use_activation):
         return row
     if cfg.activation == "sigmoid":
         return 1.0 / (1.0 + np.exp(-row))
@@ -146,5 +149,5 @@ def finish(cfg: PoolerConfig, row: np.ndarray, params: PoolingParams) -> np.ndar
     return e / e.sum(axis=-1, keepdims=True)
 
 
-__all__ = ["POOLERS", "REMOVED_TASKS", "PooledRows", "TokenRows", "check_params", "finish", "is_token_task",
-           "make_pooler", "supported_tasks"]
+__all__ = ["POOLERS", "PooledRows", "TokenRows", "check_params", "finish", "make_pooler",
+           "make_rows", "supported_tasks"]

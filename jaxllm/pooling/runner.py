@@ -2,13 +2,13 @@
 pooled float32 row per prompt out (or, for a token task, one per token); no KV cache, no
 sampler.
 
-Owns packing a step's prompts into padded device arrays (PoolingMetadata), the jitted steps
-(model forward -> PooledRows: pooler -> the model's head, if it has one; or TokenRows: every
-token -> the model's token head) over (graphdef, state), and their static shapes: the token
-buckets of runner/buckets.py (T powers of two up to max_num_batched_tokens, S = min(T,
-max_num_seqs)), every pooled one compiled at start-up unless enforce_eager; the token step
-compiles a bucket when a token task first needs it. Never sees a Request and never decides
-what runs (jaxllm/pooling/scheduler.py).
+Owns packing a step's prompts into padded device arrays (PoolingMetadata), the jitted step
+(model forward -> the engine's rows, poolers.py: PooledRows, the pooler then the model's
+head if it has one; or TokenRows, every token through the model's token head) over
+(graphdef, state), and its static shapes: the token buckets of runner/buckets.py (T powers
+of two up to max_num_batched_tokens, S = min(T, max_num_seqs)), every one compiled at
+start-up unless enforce_eager. Never sees a Request and never decides what runs
+(jaxllm/pooling/scheduler.py).
 
 Packed layout, blocks of 8 rows (attention.py), T = 16, S = 16 (3 prompts, placed first fit in
 scheduled order: p2 does not fit block 0 after p0 and p1, and goes to block 1):
@@ -38,7 +38,6 @@ from flax import nnx
 from jaxllm.kernels.linear_methods import LinearMethod
 from jaxllm.models.parallel import ParallelOps
 from jaxllm.pooling.attention import BlockPacking, DenseAttention, PoolingMetadata, Tiling
-from jaxllm.pooling.poolers import PooledRows, TokenRows
 from jaxllm.runner.buckets import BucketConfig
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ def process_weights_after_loading(model, method: LinearMethod) -> None:
 
 
 class PoolingRunner:
-    def __init__(self, model, pooler, *, causal: bool, linear_method: LinearMethod,
+    def __init__(self, model, rows, *, causal: bool, linear_method: LinearMethod,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  enforce_eager: bool = False):
         process_weights_after_loading(model, linear_method)
@@ -87,30 +86,26 @@ class PoolingRunner:
                                                           max_num_batched_tokens))
         self.tiling = Tiling.for_max_model_len(max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens
-        # per_token -> how the step's rows are made and split per prompt
-        self._rows = {False: PooledRows(pooler), True: TokenRows()}
-        self._steps = {per_token: make_pooling_step(self.graphdef, rows, causal,
-                                                    linear_method, self.tiling)
-                       for per_token, rows in self._rows.items()}
+        self.rows = rows  # PooledRows or TokenRows (poolers.py)
+        self._step = make_pooling_step(self.graphdef, rows, causal, linear_method,
+                                       self.tiling)
         self.num_compiles = 0
-        self._compiled: dict[tuple[bool, int], object] = {}
+        self._compiled: dict[int, object] = {}
         if not enforce_eager:
             for T in self.buckets.token_buckets:
-                self._compile(False, T)
+                self._compile(T)
 
-    def _compile(self, per_token: bool, T: int):
+    def _compile(self, T: int):
         S = self.buckets.seqs_for(T)
         md = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                           _pack([], T, S))
-        fn = self._steps[per_token].lower(self.state, md).compile()
-        self._compiled[per_token, T] = fn
+        self._compiled[T] = self._step.lower(self.state, md).compile()
         self.num_compiles += 1
-        return fn
+        return self._compiled[T]
 
-    def execute(self, inputs: list[PoolingInput], per_token: bool = False
-                ) -> list[np.ndarray]:
-        """-> per prompt, in order: its float32 pooled (and headed) row [O], or, per_token,
-        its tokens' rows [n, O]."""
+    def execute(self, inputs: list[PoolingInput]) -> list[np.ndarray]:
+        """-> per prompt, in order: its float32 pooled (and headed) row [O], or, for
+        TokenRows, its tokens' rows [n, O]."""
         packing = BlockPacking.for_budget(self.tiling, self.max_num_batched_tokens)
         starts = [packing.add(len(p.token_ids)) for p in inputs]
         if None in starts:
@@ -118,9 +113,9 @@ class PoolingRunner:
                              "(PoolingScheduler admits only prompts that fit)")
         T = self.buckets.pad(max(packing.end(), 1), len(inputs), 1)[0]
         S = self.buckets.seqs_for(T)
-        fn = self._compiled.get((per_token, T)) or self._compile(per_token, T)
+        fn = self._compiled.get(T) or self._compile(T)
         out = np.asarray(jax.device_get(fn(self.state, _pack(inputs, T, S, starts))))
-        return self._rows[per_token].split(out, starts, [len(p.token_ids) for p in inputs])
+        return self.rows.split(out, starts, [len(p.token_ids) for p in inputs])
 
 
 def _pack(inputs: list[PoolingInput], T: int, S: int,

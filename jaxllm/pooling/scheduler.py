@@ -8,8 +8,7 @@ blocks (jaxllm/pooling/attention.py: no prompt crosses a block edge), and a prom
 this step if it fits a block's room, first fit (`BlockPacking`, which the runner replays in
 the same order). The head of the queue always runs (the step starts empty); behind it, the
 scheduler looks up to LOOKAHEAD prompts further for ones that fill the blocks' gaps, the
-ones it passes keeping their order. A step is all sequence tasks or all token tasks (the two
-return different rows, `per_token`), as the head of the queue is; the others wait. Nothing is cached between steps (no prefix caching), so
+ones it passes keeping their order. Nothing is cached between steps (no prefix caching), so
 nothing is ever preempted.
 """
 
@@ -20,7 +19,6 @@ import dataclasses
 from typing import Any
 
 from jaxllm.pooling.attention import BlockPacking, Tiling
-from jaxllm.pooling.poolers import is_token_task
 
 LOOKAHEAD = 256  # waiting prompts examined per step beyond those that fit
 
@@ -33,10 +31,6 @@ class PoolingRequest:
     params: Any  # PoolingParams
     task: str
 
-    @property
-    def per_token(self) -> bool:
-        return is_token_task(self.task)
-
 
 @dataclasses.dataclass(frozen=True)
 class PoolingSchedulerOutput:
@@ -44,7 +38,6 @@ class PoolingSchedulerOutput:
 
     requests: tuple[PoolingRequest, ...]
     total_num_scheduled_tokens: int
-    per_token: bool = False
 
 
 class PoolingScheduler:
@@ -68,11 +61,9 @@ class PoolingScheduler:
     def schedule(self) -> PoolingSchedulerOutput:
         packing = BlockPacking.for_budget(self.tiling, self.max_num_batched_tokens)
         scheduled, passed = [], []
-        per_token = bool(self.waiting) and self.waiting[0].per_token
         while self.waiting and len(scheduled) < self.max_num_seqs and len(passed) < LOOKAHEAD:
             request = self.waiting.popleft()
-            if request.per_token != per_token or packing.add(
-                    len(request.prompt_token_ids)) is None:
+            if packing.add(len(request.prompt_token_ids)) is None:
                 passed.append(request)
             else:
                 scheduled.append(request)
@@ -80,7 +71,7 @@ class PoolingScheduler:
         total = sum(len(r.prompt_token_ids) for r in scheduled)
         assert total <= self.max_num_batched_tokens and len(scheduled) <= self.max_num_seqs
         assert scheduled or not self.waiting, "a waiting prompt never fits the budget"
-        return PoolingSchedulerOutput(tuple(scheduled), total, per_token)
+        return PoolingSchedulerOutput(tuple(scheduled), total)
 
 
 __all__ = ["PoolingRequest", "PoolingScheduler", "PoolingSchedulerOutput"]

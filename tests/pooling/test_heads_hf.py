@@ -91,12 +91,14 @@ def test_bert_classifier_softmax(tmp_path):
     with pytest.raises(ValueError, match="num_labels == 1"):
         llm.score(QUERIES[0], DOCS)
     # token_classify: the classifier alone on every token (not BERT's [CLS] pooler)
+    del llm
+    llm = LLM(path, pooler_config={"task": "token_classify"}, **LIMITS)
     tokens = llm.encode(TEXTS, pooling_task="token_classify")
     for text, out in zip(TEXTS, tokens):
         ref = hf_token_probs(hf.bert, hf.classifier, tok, text)
         assert out.outputs.data.shape == ref.shape == (len(out.prompt_token_ids), 3)
         np.testing.assert_allclose(out.outputs.data, ref, atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match=r"Unsupported task: 'token_embed'"):
+    with pytest.raises(ValueError, match="Embedding API is not supported by this model"):
         llm.encode(TEXTS, pooling_task="token_embed")
 
 
@@ -123,6 +125,8 @@ def test_qwen3_classifier_last_token(tmp_path):
         logits = hf_logits(hf, tok, text)
         ref = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
         np.testing.assert_allclose(out.outputs.probs, ref, atol=1e-4, rtol=0)
+    del llm
+    llm = LLM(path, pooler_config={"task": "token_classify"}, **LIMITS)
     for text, out in zip(TEXTS, llm.encode(TEXTS, pooling_task="token_classify")):
         ref = hf_token_probs(hf.model, hf.score, tok, text)
         np.testing.assert_allclose(out.outputs.data, ref, atol=1e-4, rtol=0)

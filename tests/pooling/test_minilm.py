@@ -108,31 +108,38 @@ def test_refusals(llm):
         llm.generate("hello")
     with pytest.raises(ValueError, match="matryoshka"):
         llm.embed("hello", pooling_params=PoolingParams(dimensions=16))
-    with pytest.raises(ValueError, match=r"Unsupported task: 'classify' Supported tasks: "
-                                         r"\('embed', 'token_embed'\)"):
+    with pytest.raises(ValueError, match="Classification API is not supported by this model"):
         llm.classify("hello")
     with pytest.raises(ValueError, match="pooling_task is required"):
         llm.encode("hello")
-    with pytest.raises(ValueError, match="`encode` task was removed; use `token_embed`"):
+    with pytest.raises(ValueError, match=r"Unsupported task: 'encode' Supported tasks: "
+                                         r"\['token_embed', 'embed'\]"):
         llm.encode("hello", pooling_task="encode")
+    with pytest.raises(ValueError, match="this engine pools 'embed'; for 'token_embed', try "
+                                         "switching the model's pooling_task via pooler_config"):
+        llm.encode("hello", pooling_task="token_embed")
+    with pytest.raises(ValueError, match=r"pooler_config fields \['dimensions'\] are not "
+                                         r"supported"):
+        LLM(runner="pooling", pooler_config={"dimensions": 8})
+    with pytest.raises(ValueError, match="pooler_config applies to pooling models"):
+        LLM(pooler_config={"task": "embed"})  # the default model generates
     with pytest.raises(ValueError, match="at least one prompt"):
         llm.embed([])
     with pytest.raises(ValueError, match="runner must be one of"):
         LLM(runner="encoder")
 
 
-def test_token_embed_is_every_token_normalized(llm, st_model):
-    """vLLM's token_embed: each token's last hidden state, L2-normalized (sentence-transformers'
-    token_embeddings, unnormalized, are the reference); steps of token and sequence tasks are
-    never mixed, and both come back in input order."""
+def test_token_embed_is_every_token_normalized(minilm_tokens, st_model):
+    """pooler_config={"task": "token_embed"} (vLLM's): each token's last hidden state,
+    L2-normalized (sentence-transformers' token_embeddings, unnormalized, are the reference);
+    that engine's "embed" is refused, as vLLM refuses it."""
     texts = SENTENCES[:6]
-    tokens = llm.encode(texts, pooling_task="token_embed")
+    tokens = minilm_tokens.encode(texts, pooling_task="token_embed")
     ref = st_model.encode(texts, output_value="token_embeddings")
     for out, r in zip(tokens, ref):
         r = r.numpy().astype(np.float64)
         assert out.outputs.data.shape == r.shape == (len(out.prompt_token_ids), 384)
         np.testing.assert_allclose(out.outputs.data, r / np.linalg.norm(r, axis=1)[:, None],
                                    atol=1e-5, rtol=0)
-    pooled = llm.encode(texts, pooling_task="embed")
-    np.testing.assert_array_equal([o.outputs.data for o in pooled],
-                                  [o.outputs.embedding for o in llm.embed(texts)])
+    with pytest.raises(ValueError, match="this engine pools 'token_embed'; for 'embed'"):
+        minilm_tokens.embed(texts)

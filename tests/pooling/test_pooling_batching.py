@@ -28,9 +28,9 @@ def steps(engine, monkeypatch):
     seen = []
     execute = engine.runner.execute
 
-    def recording(inputs, per_token=False):
+    def recording(inputs):
         seen.append(len(inputs))
-        return execute(inputs, per_token)
+        return execute(inputs)
 
     monkeypatch.setattr(engine.runner, "execute", recording)
     return seen

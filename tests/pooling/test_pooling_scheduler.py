@@ -40,14 +40,3 @@ def test_max_num_seqs_and_lookahead_bound_a_step(monkeypatch):
     add(s, [8, 8, 8, 1])
     assert ids(s.schedule()) == ["0", "1"]  # "2" passed over; "3" not examined
     assert [r.request_id for r in s.waiting] == ["2", "3"]
-
-
-def test_a_step_is_all_token_tasks_or_all_sequence_tasks():
-    scheduler = PoolingScheduler(64, 8)
-    tasks = ["embed", "token_embed", "embed", "token_embed", "embed"]
-    for i, task in enumerate(tasks):
-        scheduler.add_request(PoolingRequest(str(i), (1, 2, 3), None, None, task))
-    first, second = scheduler.schedule(), scheduler.schedule()
-    assert ([r.request_id for r in first.requests], first.per_token) == (["0", "2", "4"], False)
-    assert ([r.request_id for r in second.requests], second.per_token) == (["1", "3"], True)
-    assert not scheduler.has_unfinished_requests()

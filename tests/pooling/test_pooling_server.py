@@ -106,9 +106,10 @@ def test_truncation_and_unknown_model(app):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
 
 
-def test_pooling_token_task_rows_per_token(app, minilm):
-    want = minilm.encode(TEXTS[:2], pooling_task="token_embed")
-    body = post(app, "/pooling", {"input": TEXTS[:2], "task": "token_embed"}).json()
+def test_pooling_token_task_rows_per_token(app, minilm_tokens):
+    tokens_app = build_pooling_app(minilm_tokens.llm_engine, served_model_names=["minilm"])
+    want = minilm_tokens.encode(TEXTS[:2], pooling_task="token_embed")
+    body = post(tokens_app, "/pooling", {"input": TEXTS[:2]}).json()  # the engine's task
     assert [d["data"] for d in body["data"]] == [o.outputs.data.tolist() for o in want]
-    bad = post(app, "/pooling", {"input": TEXTS[:1], "task": "encode"})
-    assert bad.status_code == 400 and "`encode` task was removed" in bad.json()["error"]["message"]
+    bad = post(app, "/pooling", {"input": TEXTS[:1], "task": "token_embed"})
+    assert bad.status_code == 400 and "pooler_config" in bad.json()["error"]["message"]

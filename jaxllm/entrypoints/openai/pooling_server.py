@@ -53,7 +53,7 @@ class PoolingRequest(_Body):
     input: Input
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    task: str | None = None  # the model's own task unless given (a token task: rows per token)
+    task: str | None = None  # None: the engine's pooling task (pooler_config's)
 
 
 class ClassificationRequest(_Body):
@@ -158,7 +158,8 @@ def build_pooling_app(engine: PoolingEngine, *, served_model_names: list[str],
         model = model_name(body.model)
         params = PoolingParams(dimensions=body.dimensions,
                                truncate_prompt_tokens=body.truncate_prompt_tokens)
-        outs = await pool(_inputs(body.input), params, body.task or engine.pooler_config.task)
+        outs = await pool(_inputs(body.input), params,
+                          body.task or engine.pooler_config.pooling_task)
         data = [{"index": i, "object": "pooling",
                  "data": _encode(o.outputs.data, body.encoding_format)}
                 for i, o in enumerate(outs)]
