@@ -70,3 +70,20 @@ def test_sentence_transformers_files_choose_the_pooling(tmp_path):
     pooling.write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
         read_pooling_model(str(tmp_path), hf, "auto")
+
+
+def test_pooler_config_overrides_as_vllm_names_them(tmp_path):
+    from jaxllm.entrypoints.cli import resolve_args
+
+    hf = dict(architectures=["Qwen3ForCausalLM"], **QWEN3)
+    _, engine = resolve_args(["m", "--pooler-config",
+                              '{"task": "token_embed", "pooling_type": "mean"}'])
+    cfg, pooler = read_pooling_model(str(tmp_path), hf, "embed", engine.pooler_config)
+    assert (pooler.pooling_task, pooler.per_token, pooler.pooling_type) == (
+        "token_embed", True, "MEAN")
+    _, pooler = read_pooling_model(str(tmp_path), hf, "classify", {"use_activation": False})
+    assert (pooler.pooling_task, pooler.use_activation) == ("classify", False)
+    with pytest.raises(ValueError, match=r"task must be one of \['token_embed', 'embed'\]"):
+        read_pooling_model(str(tmp_path), hf, "embed", {"task": "classify"})
+    with pytest.raises(ValueError, match="pooler_config must be a JSON object"):
+        read_pooling_model(str(tmp_path), hf, "embed", "{task")
