@@ -14,13 +14,14 @@ partial panel; sizes below and above the single-thread cut-off.
 from __future__ import annotations
 
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kernels import cpu_gemm
+from jaxllm.kernels import cpu_gemm, native_library
 from jaxllm.kernels.cpu_grouped_gemm import grouped_gemm, grouped_gemm_reference
 from platform_choice import ON_GPU
 
@@ -121,3 +122,20 @@ def test_bad_arguments_are_value_errors():
         grouped_gemm(x, w, ends.astype(jnp.float32))
     with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16"):
         grouped_gemm(x, w, ends, jnp.float16)
+
+
+def test_a_library_without_the_grouped_gemm_is_unavailable_and_says_why(monkeypatch):
+    """A cpu_gemm library built before the grouped GEMM: the "cpu" method (which needs both)
+    is unavailable, with the reason its fallback warning gives."""
+    old = native_library.Availability(types.SimpleNamespace(JaxllmCpuGemm=object()), "")
+    monkeypatch.setattr(native_library, "open_library", lambda *args: old)
+    for fn in (cpu_gemm.availability, cpu_gemm._library):
+        fn.cache_clear()
+    try:
+        status = cpu_gemm.availability(jnp.float32)
+        assert not status
+        assert "has no JaxllmCpuGroupedGemm (built from an older cpu_gemm.cc: rebuild it" in (
+            status.reason)
+    finally:
+        for fn in (cpu_gemm.availability, cpu_gemm._library):
+            fn.cache_clear()
