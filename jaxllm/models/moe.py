@@ -39,7 +39,9 @@ whole expert stack [E, D, 2, F] to f32 on every step, because each block's dot t
 weight slice chosen at run time (the moe_step.py ratio to the dense equivalent was 2.25x in
 bf16 against 1.27x in f32). The C++ grouped GEMM reads each chosen expert's [K, N] weight in
 place, bf16 x bf16 with f32 accumulation, over the pairs sorted by expert without padding
-rows (a group per expert, however uneven).
+rows (a group per expert, however uneven). Measured (moe_step.py --linear cpu, five runs on
+the 2-core machine at load average 10-14): bf16 ratio 1.15-1.56, median 1.25, where XLA's
+loop in the same rounds was 2.9-3.5; f32 1.10-1.37 (XLA's loop 0.9-1.5).
 
 Under tensor parallelism each expert's FFN is split like a dense MLP (gate/up by columns of
 F, down by rows): `ParallelOps.moe_experts` runs the linear method's expert FFN per shard on
