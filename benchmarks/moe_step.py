@@ -6,6 +6,11 @@ run the model's jitted step (the forward and the LM head over the 64 rows; each 
 sequence decoding at position CONTEXT, over a paged cache) with random weights, timed
 alternately, median over --repeats. Prints both medians and their ratio (target <= 1.5).
 
+The experts run the linear method's expert FFN (models/moe.py): with --linear cpu the C++
+grouped GEMM, with xla XLA's block-sparse loop. With --linear cpu a third step, the same
+Mixtral with XLA's expert loop (dense layers still "cpu"), is timed in the same rounds: the
+grouped kernel's before/after on one machine load.
+
     python benchmarks/moe_step.py [--repeats 30] [--linear xla|cpu] [--dtype float32]
 """
 
@@ -22,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxllm.kernels.backends import AttentionLayer, get_backend
+from jaxllm.kernels.linear_methods import CpuGemmLinearMethod, LinearMethod, get_linear_method
 from jaxllm.models.base import AttentionMetadata
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import init_kv_caches
@@ -57,10 +64,19 @@ def decode_batch(cfg: ModelConfig) -> AttentionMetadata:
         query_start_loc=np.arange(ROWS + 1, dtype=np.int32), num_seqs=np.int32(ROWS)))
 
 
-def make_step(cfg: ModelConfig, dtype, linear: str):
+class CpuDenseXlaExperts(CpuGemmLinearMethod):
+    """The "cpu" method's dense layers with XLA's expert loop: the grouped kernel's baseline."""
+
+    name = "cpu"
+
+    def expert_ffn(self, *args):
+        return LinearMethod.expert_ffn(self, *args)
+
+
+def make_step(cfg: ModelConfig, dtype, linear: LinearMethod):
     """-> a no-argument callable running one jitted step (the cache donated and kept)."""
     model = get_model_class(cfg)(cfg, dtype=dtype, rngs=nnx.Rngs(0))
-    ops = ParallelOps.single_device("xla", linear)
+    ops = ParallelOps(AttentionLayer(get_backend("xla")), linear)
     model.process_weights_after_loading(ops.linear_method)
     graphdef, state = nnx.split(model)
     md = decode_batch(cfg)
@@ -90,8 +106,11 @@ def main():
     print(machine_header(), flush=True)
     dtype = jnp.dtype(args.dtype)
     dense = dense_equivalent(MIXTRAL)
-    steps = {"mixtral": make_step(MIXTRAL, dtype, args.linear),
-             "dense": make_step(dense, dtype, args.linear)}
+    linear = get_linear_method(args.linear)
+    steps = {"mixtral": make_step(MIXTRAL, dtype, linear),
+             "dense": make_step(dense, dtype, linear)}
+    if args.linear == "cpu":
+        steps["mixtral, XLA experts"] = make_step(MIXTRAL, dtype, CpuDenseXlaExperts())
     times = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, run in steps.items():  # alternately, so load changes hit both alike
@@ -107,6 +126,10 @@ def main():
           f"{med['dense']:.2f} ms ({args.repeats} repeats)")
     print(f"ratio mixtral / dense = {med['mixtral'] / med['dense']:.2f} (target <= 1.5); "
           f"of the fastest repeats: {min(times['mixtral']) / min(times['dense']):.2f}")
+    if "mixtral, XLA experts" in med:
+        xla = med["mixtral, XLA experts"]
+        print(f"mixtral with XLA's expert loop: median {xla:.2f} ms, ratio to dense "
+              f"{xla / med['dense']:.2f}; grouped kernel speed-up {xla / med['mixtral']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,14 @@ def library_path() -> str | None:
 @functools.cache
 def _library() -> Availability:
     lib = native_library.open_library(_LIB_STEM, library_path(), "JaxllmCpuGemm")
-    if lib:
-        lib.lib.JaxllmCpuGemmIsa.restype = ctypes.c_int
+    if not lib:
+        return lib
+    # The grouped GEMM (kernels/cpu_grouped_gemm.py) is in the same library: one built from
+    # an older cpu_gemm.cc lacks it, and the "cpu" linear method needs both.
+    if not hasattr(lib.lib, "JaxllmCpuGroupedGemm"):
+        return Availability(None, f"{library_path()} has no JaxllmCpuGroupedGemm (built from "
+                                  f"an older cpu_gemm.cc: rebuild it, pip install -e .)")
+    lib.lib.JaxllmCpuGemmIsa.restype = ctypes.c_int
     return lib
 
 

@@ -19,6 +19,10 @@ What a method sees (models/parallel.py calls it with no mesh):
     logits(h [S, D], w, spec)                 -> float32 [S, >= V] (the caller slices V)
     embed(table, ids [T], features=D)         -> [T, D]; `table` as loaded, or as
                                                  process_embedding left it when tied
+    expert_ffn(x [T, D], weights [T, k], ids [T, k], gate_up [E, D, 2, F], down [E, F, D])
+                                              -> float32 [T, D], a mixture of experts'
+                                                 chosen FFNs (models/moe.py), the expert
+                                                 weights as loaded (never packed)
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class LinearMethod:
     def embed(self, table, ids_T, features: int):
         return jnp.take(table, ids_T, axis=0)
 
+    def expert_ffn(self, x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD):
+        from jaxllm.models.moe import expert_ffn
+        return expert_ffn(x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD)
+
     def __repr__(self) -> str:
         return f"LinearMethod({self.name!r})"
 
@@ -81,7 +89,8 @@ class XlaLinearMethod(LinearMethod):
 class CpuGemmLinearMethod(LinearMethod):
     """The C++ GEMM through XLA FFI (kernels/cpu_gemm.py) on weights packed after loading."""
 
-    name, description = "cpu", "the C++ GEMM (kernels/cpu_gemm.py) on weights packed at load"
+    name, description = "cpu", ("the C++ GEMM (kernels/cpu_gemm.py) on weights packed at load, "
+                                 "and its grouped GEMM on expert weights in place")
 
     def unavailable_reason(self, platform: str, dtype, tensor_parallel_size: int) -> str | None:
         from jaxllm.kernels import cpu_gemm
@@ -127,6 +136,14 @@ class CpuGemmLinearMethod(LinearMethod):
             return super().embed(table, ids_T, features)
         return cpu_gemm.columns(table, ids_T, features)
 
+    def expert_ffn(self, x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD):
+        # The C++ grouped GEMM reads each chosen expert's weights in place; XLA's loop
+        # converted the whole bf16 stack to f32 every step (models/moe.py).
+        from jaxllm.kernels.cpu_grouped_gemm import grouped_gemm
+        from jaxllm.models.moe import expert_ffn_grouped
+        return expert_ffn_grouped(x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD,
+                                  grouped_gemm)
+
 
 @functools.cache
 def _jitted(fn):
@@ -140,7 +157,9 @@ PREFERRED = {"cpu": ("cpu", "xla")}
 # What falling back costs, measured (benchmarks/cpu_gemm.py), for the warning.
 _FALLBACK_COST = {
     "cpu": "XLA's bf16 GEMMs took 1.1x-3.5x the C++ kernel's time at decode and prefill "
-           "shapes in benchmarks/cpu_gemm.py (2-core AVX512-BF16 CPU, SmolLM2 shapes)",
+           "shapes in benchmarks/cpu_gemm.py (2-core AVX512-BF16 CPU, SmolLM2 shapes), and "
+           "a tiny Mixtral's bf16 decode step 2.3x-2.7x with XLA's expert loop "
+           "(benchmarks/moe_step.py)",
 }
 
 

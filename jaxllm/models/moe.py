@@ -1,8 +1,10 @@
-"""Mixture-of-experts feed-forward block: top-k routing and a block-sparse grouped GEMM.
+"""Mixture-of-experts feed-forward block: top-k routing and the experts' grouped GEMMs.
 
 Owns: the router (softmax over experts in float32, top k, optional renormalisation over the
-chosen k), the grouped expert GEMM `expert_ffn` over (token, expert) pairs sorted by expert,
-its all-experts reference `expert_ffn_reference` (tests only), and `SparseMoeBlock`, the layer
+chosen k), the expert FFN over (token, expert) pairs sorted by expert in two forms (XLA's
+block-sparse `expert_ffn`, and `expert_ffn_grouped` over a grouped GEMM kernel such as
+kernels/cpu_grouped_gemm.py; the linear method picks one, kernels/linear_methods.py), their
+all-experts reference `expert_ffn_reference` (tests only), and `SparseMoeBlock`, the layer
 Mixtral, Qwen2-MoE (with its sigmoid-gated shared expert) and Qwen3-MoE configure with
 ModelConfig flags. Must never compute every expert on every token in the step (that is E/k
 times the work; only the reference does it).
@@ -32,9 +34,19 @@ as two products: 3.0 ms); gathering each block's expert weights into one batched
 was 3-10x slower (a copy of the weights per block); an unrolled loop over experts was no
 faster, and its program grows with E.
 
+Why `expert_ffn_grouped` on CPU (the "cpu" linear method): in bf16, XLA:CPU converts the
+whole expert stack [E, D, 2, F] to f32 on every step, because each block's dot takes a
+weight slice chosen at run time (the moe_step.py ratio to the dense equivalent was 2.25x in
+bf16 against 1.27x in f32). The C++ grouped GEMM reads each chosen expert's [K, N] weight in
+place, bf16 x bf16 with f32 accumulation, over the pairs sorted by expert without padding
+rows (a group per expert, however uneven). Measured (moe_step.py --linear cpu, five runs on
+the 2-core machine at load average 10-14): bf16 ratio 1.15-1.56, median 1.25, where XLA's
+loop in the same rounds was 2.9-3.5; f32 1.10-1.37 (XLA's loop 0.9-1.5).
+
 Under tensor parallelism each expert's FFN is split like a dense MLP (gate/up by columns of
-F, down by rows): `ParallelOps.moe_experts` runs `expert_ffn` per shard on F/tp columns and
-one all-reduce sums the [T, D] outputs.
+F, down by rows): `ParallelOps.moe_experts` runs the linear method's expert FFN per shard on
+F/tp columns and one all-reduce sums the [T, D] outputs. The linear method under a mesh is
+"xla" (kernels/linear_methods.py), so a TP step runs `expert_ffn`.
 """
 
 from __future__ import annotations
@@ -113,6 +125,26 @@ def expert_ffn(x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD):
     return jnp.sum(y_TKD * weights_TK.astype(jnp.float32)[:, :, None], axis=1)
 
 
+def expert_ffn_grouped(x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD, grouped_gemm):
+    """`expert_ffn` over `grouped_gemm(x [M, K], w [E, K, N], group_end [E] int32, out_dtype)
+    -> [M, N]` (kernels/cpu_grouped_gemm.py's contract): the P = T*K pairs sorted by expert,
+    one group per expert (no padding rows); gate and up in one product, then down."""
+    T, D = x_TD.shape
+    K = ids_TK.shape[1]
+    E, F = w_gate_up_ED2F.shape[0], w_gate_up_ED2F.shape[3]
+    ids_P = ids_TK.reshape(-1)
+    order_P = jnp.argsort(ids_P, stable=True)  # pair indices sorted by expert
+    group_end_E = jnp.cumsum(jnp.bincount(ids_P, length=E)).astype(jnp.int32)
+    x_PD = x_TD[order_P // K]
+    gu_P2F = grouped_gemm(x_PD, w_gate_up_ED2F.reshape(E, D, 2 * F), group_end_E,
+                          x_TD.dtype).reshape(-1, 2, F)
+    h_PF = jax.nn.silu(gu_P2F[:, 0]) * gu_P2F[:, 1]
+    y_PD = grouped_gemm(h_PF, w_down_EFD, group_end_E, x_TD.dtype)
+    sorted_row_P = jnp.zeros_like(order_P).at[order_P].set(jnp.arange(order_P.shape[0]))
+    y_TKD = y_PD[sorted_row_P].reshape(T, K, D).astype(jnp.float32)
+    return jnp.sum(y_TKD * weights_TK.astype(jnp.float32)[:, :, None], axis=1)
+
+
 def expert_ffn_reference(x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD):
     """`expert_ffn` computed densely: every expert on every token, then the chosen k picked
     (E/k times the work; tests only)."""
@@ -154,10 +186,11 @@ class SparseMoeBlock(nnx.Module):
             self.shared_expert = self.shared_expert_gate = None
 
     def __call__(self, x_TD, ops):
-        """ops: models/parallel.py ParallelOps (the experts run per shard under it)."""
+        """ops: models/parallel.py ParallelOps (the experts run per shard under it, by its
+        linear method's expert FFN)."""
         weights_TK, ids_TK = route(ops.linear(self.gate, x_TD), self.top_k, self.renormalize)
         ex = self.experts
-        y_TD = ops.moe_experts(expert_ffn, x_TD, weights_TK, ids_TK, ex.gate_up_proj[...],
+        y_TD = ops.moe_experts(x_TD, weights_TK, ids_TK, ex.gate_up_proj[...],
                                ex.down_proj[...])
         if self.shared_expert is None:
             return y_TD
@@ -172,4 +205,5 @@ def moe_or_dense_mlp(cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs) -> 
     return MLP(cfg, dtype=dtype, rngs=rngs)
 
 
-__all__ = ["SparseMoeBlock", "expert_ffn", "expert_ffn_reference", "moe_or_dense_mlp", "route"]
+__all__ = ["SparseMoeBlock", "expert_ffn", "expert_ffn_grouped", "expert_ffn_reference",
+           "moe_or_dense_mlp", "route"]

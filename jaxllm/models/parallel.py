@@ -20,7 +20,9 @@ it gathered the whole table onto every device. Here:
              RowParallelLinear does. Left to the partitioner, the sum ran over the f32
              partial results: twice the bytes (measured, benchmarks/tp_plan.py).
 
-    moe_experts (models/moe.py): each device runs the chosen experts' FFNs on its F/tp
+    moe_experts (models/moe.py): the linear method's expert FFN (the C++ grouped GEMM for
+             "cpu", XLA's block-sparse loop for "xla"). Under a mesh (always "xla")
+             each device runs the chosen experts' FFNs on its F/tp
              columns of gate/up and rows of down (a dense MLP's layout, per expert), on
              the whole routed batch; one all-reduce [T, D] sums the devices, in the
              compute dtype.
@@ -109,9 +111,11 @@ class ParallelOps:
                             out_specs=P(), check_vma=False)(hidden_SD, w)
         return out[:, :vocab_size]
 
-    def moe_experts(self, expert_ffn, x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD):
-        """expert_ffn(x, weights, ids, w_gate_up, w_down) -> float32 [T, D] (models/moe.py)
-        over the expert weights split by F -> [T, D] whole, in x's dtype."""
+    def moe_experts(self, x_TD, weights_TK, ids_TK, w_gate_up_ED2F, w_down_EFD):
+        """The linear method's expert_ffn(x, weights, ids, w_gate_up, w_down) -> float32
+        [T, D] (models/moe.py), over the expert weights split by F -> [T, D] whole, in x's
+        dtype."""
+        expert_ffn = self.linear_method.expert_ffn
         if self._mesh is None:
             return expert_ffn(x_TD, weights_TK, ids_TK, w_gate_up_ED2F,
                               w_down_EFD).astype(x_TD.dtype)

@@ -287,8 +287,9 @@ def test_default_is_cpu_here_and_logged_once(fresh_choice, caplog):
         for _ in range(2):
             assert select_linear_method(None, jnp.bfloat16, platform="cpu").name == "cpu"
     assert [r.getMessage() for r in caplog.records] == [
-        'linear layers: "cpu" (the C++ GEMM (kernels/cpu_gemm.py) on weights packed at load) '
-        "for bfloat16 weights, the default here"]
+        'linear layers: "cpu" (the C++ GEMM (kernels/cpu_gemm.py) on weights packed at load, '
+        "and its grouped GEMM on expert weights in place) for bfloat16 weights, the default "
+        "here"]
 
 
 def test_tensor_parallelism_and_gpus_use_xla_without_a_warning(fresh_choice):

@@ -6,7 +6,10 @@ The tiny random models of test_parity_hf.py's Gemma cases (SmolLM2's vocabulary,
 LLM(dir) has a tokenizer) are written as HF directories here; one subprocess on two host CPU
 devices runs an engine per family (max_num_batched_tokens=16: prompts of 23 and
 30 tokens prefill in chunks), with the CPU defaults: the C++ attention kernel (window and
-soft-cap, under shard_map) and the C++ GEMM.
+soft-cap, under shard_map) and the C++ GEMM. A second identical `generate` compiles nothing
+(no tracing, lowering or XLA compile at all: the families' warm-up check of
+tests/engine_e2e/test_e2e_families.py; no prefix caching, so the repeat runs the very same
+steps).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ GEMMA_CASES = [c for c in CASES if c.arch.startswith("Gemma")]
 _SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
+    from engine_e2e.test_e2e_warmup import jax_compile_events
     from jaxllm import LLM, SamplingParams
     assert len(jax.devices()) == 2, jax.devices()
     prompts = [{{"prompt_token_ids": ids}} for ids in {prompts!r}]
@@ -36,10 +40,16 @@ _SCRIPT = textwrap.dedent("""
     for name, d in {dirs!r}:
         llm = LLM(d, tensor_parallel_size=2, dtype="float32",
                   max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
-                  enforce_eager=True, use_tqdm_on_load=False)
-        outs = llm.generate(prompts, greedy, use_tqdm=False)
-        print(json.dumps(dict(name=name, tokens=[list(o.outputs[0].token_ids)
-                                                 for o in outs])), flush=True)
+                  enforce_eager=True, use_tqdm_on_load=False, enable_prefix_caching=False)
+        run = lambda: [list(o.outputs[0].token_ids)
+                       for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        tokens = run()
+        compiled = llm.llm_engine.runner.num_compiles
+        with jax_compile_events() as events:
+            again = run()
+        print(json.dumps(dict(name=name, tokens=tokens, again=again, compiles=dict(events),
+                              new_steps=llm.llm_engine.runner.num_compiles - compiled)),
+              flush=True)
         del llm
 """)
 
@@ -91,10 +101,19 @@ def runs(tmp_path_factory):
     proc = run_on_host_devices(["-c", f"import sys; sys.path[:0] = [{tests!r}]\n" + script],
                                2, timeout=1200)
     found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return refs, {r["name"]: r["tokens"] for r in found}
+    return refs, {r["name"]: r for r in found}
 
 
 @pytest.mark.parametrize("name", [c.name for c in GEMMA_CASES])
 def test_greedy_tokens_match_hf_at_tp2(runs, name):
     refs, ours = runs
-    assert ours[name] == refs[name]
+    assert ours[name]["tokens"] == refs[name]
+
+
+@pytest.mark.parametrize("name", [c.name for c in GEMMA_CASES])
+def test_repeated_workload_compiles_nothing(runs, name):
+    refs, ours = runs
+    assert ours[name]["again"] == refs[name]
+    assert ours[name]["new_steps"] == 0, "the runner compiled a step on a repeated workload"
+    assert ours[name]["compiles"] == {}, f"JAX compiled on a repeated workload: " \
+                                         f"{ours[name]['compiles']}"

@@ -3,7 +3,8 @@
 For Mixtral, Qwen3-MoE (a dense first layer by `mlp_only_layers`, norm_topk_prob) and
 Qwen2-MoE (a sigmoid-gated shared expert, no renormalisation, k=3), tiny random models:
   * logits through the paged, jitted step within 1e-4 of HF over prefill, a chunked-prefill
-    step and decode (test_parity_hf's schedule);
+    step and decode (test_parity_hf's schedule), for both linear methods' experts (XLA's
+    block-sparse loop; "cpu": the C++ grouped GEMM, kernels/cpu_grouped_gemm.py);
   * greedy tokens identical to HF's `generate` through `jaxllm.LLM` (a 16-token budget, so
     the longer prompts are prefilled in chunks, then decode), with no compile on a second
     run over other tokens (other experts), and at TP=2 on host CPU devices (one subprocess
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import textwrap
 
@@ -30,6 +32,9 @@ from helpers import hf_logits, hf_numpy_state, tiny_hf_model
 from host_devices import run_on_host_devices
 from test_parity_hf import NUM_DECODE_STEPS, PROMPT_LENS, VOCAB, run_paged
 
+from jaxllm.kernels import cpu_gemm
+from jaxllm.kernels.cpu_grouped_gemm import TARGET as GROUPED_GEMM
+from jaxllm.kernels.linear_methods import get_linear_method
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.moe import block_rows, expert_ffn, expert_ffn_reference
 from jaxllm.models.weights import load_params
@@ -76,8 +81,17 @@ def _min_router_margin(hf, runs) -> float:
     return min(float((t[:, k - 1] - t[:, k]).min()) for t in top)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_hf(family):
+# The "cpu" linear method where its library runs (the CPU CI machine), else "xla" alone.
+LINEARS = ["xla"] + (["cpu"] if jax.default_backend() == "cpu"
+                     and cpu_gemm.availability(jnp.bfloat16) else [])
+
+
+# "cpu" runs the same grouped-GEMM code for every family: Qwen3-MoE's differences from
+# Mixtral (qk-norm, a dense layer) are outside the experts, and the engine test below runs all
+# three families' experts through it (its default here) against HF's tokens.
+@pytest.mark.parametrize("family, linear", [(f, "xla") for f in FAMILIES] + [
+    (f, "cpu") for f in ("mixtral", "qwen2_moe") if "cpu" in LINEARS])
+def test_logits_match_hf(family, linear):
     config_cls, arch, kwargs, seed = FAMILIES[family]
     hf = tiny_hf_model(config_cls, arch, seed=seed, vocab_size=VOCAB, **_COMMON, **kwargs)
     cfg = ModelConfig.from_hf_config(hf.config.to_dict())
@@ -89,18 +103,20 @@ def test_logits_match_hf(family):
     assert _min_router_margin(hf, tokens) > ROUTER_MARGIN
     refs = [hf_logits(hf, t) for t in tokens]
     errors = []
-    for logits, rows in run_paged(model, cfg, tokens, block_size=4, seed=7):
+    for logits, rows in run_paged(model, cfg, tokens, block_size=4, seed=7, linear=linear):
         assert np.isfinite(logits).all()
         errors.append(max(float(np.abs(logits[r] - refs[s][p]).max()) for s, p, r in rows))
-    print(f"\n[parity] {family}: prefill {errors[0]:.2e}, chunked step {errors[1]:.2e}, "
+    print(f"\n[parity] {family} ({linear}): prefill {errors[0]:.2e}, chunked step {errors[1]:.2e}, "
           f"decode {max(errors[1:]):.2e}")
     assert max(errors) <= TOLERANCE, errors
 
 
+@pytest.mark.parametrize("linear", LINEARS)
 @pytest.mark.parametrize("T, skew", [(64, False), (64, True), (1, False)])
-def test_expert_ffn_matches_all_experts_reference(T, skew):
-    """The block-sparse GEMM against every-expert-on-every-token, E=8, k=2: random routing,
-    every pair on one expert (one run of many blocks), and a single decode row."""
+def test_expert_ffn_matches_all_experts_reference(T, skew, linear):
+    """Each linear method's expert FFN (XLA's block-sparse loop, the grouped GEMM) against
+    every-expert-on-every-token, E=8, k=2: random routing, every pair on one expert (one run
+    of many blocks; six empty groups), and a single decode row."""
     E, K, D, F = 8, 2, 32, 24
     rng = np.random.default_rng(T + skew)
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
@@ -109,7 +125,7 @@ def test_expert_ffn_matches_all_experts_reference(T, skew):
         [rng.permutation(E)[:K] for _ in range(T)])
     ws = [jnp.asarray(rng.standard_normal(s) * 0.2, jnp.float32)
           for s in ((E, D, 2, F), (E, F, D))]
-    got = jax.jit(expert_ffn)(x, w, jnp.asarray(ids, jnp.int32), *ws)
+    got = jax.jit(get_linear_method(linear).expert_ffn)(x, w, jnp.asarray(ids, jnp.int32), *ws)
     want = expert_ffn_reference(x, w, jnp.asarray(ids, jnp.int32), *ws)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
@@ -125,6 +141,26 @@ def test_expert_ffn_never_multiplies_every_expert():
     dots = [line.split("=")[1].split("dot(")[0].strip() for line in hlo.splitlines()
             if " dot(" in line]
     assert sorted(dots) == sorted([f"f32[{B},{2 * F}]{{1,0}}", f"f32[{B},{D}]{{1,0}}"])
+
+
+@pytest.mark.skipif("cpu" not in LINEARS, reason="the cpu GEMM library cannot run here")
+def test_grouped_experts_read_the_bf16_weights_in_place():
+    """The "cpu" method's experts in bf16: the optimized HLO has two grouped-GEMM calls (gate
+    and up, then down), each on the P = T*K pairs, and no dot and no f32 array as large as an
+    expert stack (XLA's loop converted the whole stack to f32 every step)."""
+    E, K, D, F, T = 8, 2, 64, 48, 64
+    bf16 = jnp.bfloat16
+    args = (jnp.zeros((T, D), bf16), jnp.zeros((T, K)), jnp.zeros((T, K), jnp.int32),
+            jnp.zeros((E, D, 2, F), bf16), jnp.zeros((E, F, D), bf16))
+    hlo = jax.jit(get_linear_method("cpu").expert_ffn).lower(*args).compile().as_text()
+    calls = [line.split("=")[1].split("custom-call(")[0].strip() for line in hlo.splitlines()
+             if f'custom_call_target="{GROUPED_GEMM}"' in line]
+    assert sorted(calls) == sorted([f"bf16[{T * K},{2 * F}]{{1,0}}", f"bf16[{T * K},{D}]{{1,0}}"])
+    assert " dot(" not in hlo
+    stack = E * min(D * 2 * F, F * D)
+    f32_sizes = [int(np.prod([int(d) for d in shape.split(",") if d]))
+                 for shape in re.findall(r"f32\[([\d,]*)\]", hlo)]
+    assert max(f32_sizes) < stack, max(f32_sizes)
 
 
 def test_config_reads_each_family_and_rejects_bad_values():

@@ -1,7 +1,9 @@
 // Dense GEMM y = x @ W on CPU as an XLA FFI handler, against weights packed once at load
 // (see jaxllm/kernels/cpu_gemm.py for the packed layout and the Python side).
 //
-// Owns: the XLA FFI handler `JaxllmCpuGemm`: checking shapes, cutting the product into work
+// Owns: the XLA FFI handlers `JaxllmCpuGemm` and `JaxllmCpuGroupedGemm` (rows sorted by
+// group, each group against its own W [K, N] stored in place: the experts of a mixture of
+// experts, jaxllm/kernels/cpu_grouped_gemm.py): checking shapes, cutting the product into work
 // items (a range of 32-column panels x a chunk of rows), running them on a thread pool, and
 // the register-blocked micro-kernels: bf16 x bf16 pairs by AVX512-BF16 (vdpbf16ps), f32 by
 // FMAs, both accumulating in f32, the result stored as f32 or rounded once to bf16.
@@ -28,6 +30,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -98,18 +101,69 @@ inline void StoreRow(__m512 lo, __m512 hi, void* y, long offset, int cols, bool 
   }
 }
 
+// Where a micro-kernel reads 32 columns of W (one panel), step by step along K. Two ways:
+//   Packed*: the panel as cpu_gemm.py `pack`ed it, contiguous (the dense GEMM's weights);
+//   Rows*:   W [K, N] as stored, row-major with row stride ldw, columns [col0, col0 + cols)
+//            (the grouped GEMM's expert weights, used in place). A bf16 step needs the
+//            column pairs (W[2k2][c], W[2k2+1][c]) side by side: vpunpck{l,h}wd interleave
+//            two rows within each 128-bit lane, so the accumulators hold the columns in the
+//            order  lo: 0-3 8-11 16-19 24-27  hi: 4-7 12-15 20-23 28-31,  put back in order
+//            once per tile (Fix) before the store.
+// Load(k, b0, b1): the two zmm of step k (a pair step for bf16); Last(K2, ...): bf16's odd
+// K, the last row paired with zeros. Tails past N are masked loads, never over-reads.
 #if defined(__AVX512BF16__)
-// Rows [0, MR) of x (bf16, row stride ldx) against one packed bf16 panel.
-template <int MR>
-void KernelBf16(const uint16_t* x, long ldx, int K, const uint16_t* panel, void* y, long ldy,
-                int cols, bool out_bf16) {
+struct PackedBf16 {
+  const uint16_t* panel;
+  PackedBf16(const void* w, long, int) : panel(static_cast<const uint16_t*>(w)) {}
+  void Load(int k2, __m512bh& b0, __m512bh& b1) const {
+    b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + k2 * 64));
+    b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + k2 * 64 + 32));
+  }
+  void Last(int k2, __m512bh& b0, __m512bh& b1) const { Load(k2, b0, b1); }  // zero-padded
+  void Fix(__m512&, __m512&) const {}
+};
+
+struct RowsBf16 {
+  const uint16_t* w;
+  long ldw;
+  __mmask32 mask;
+  RowsBf16(const void* w_, long ldw_, int cols)
+      : w(static_cast<const uint16_t*>(w_)), ldw(ldw_),
+        mask(cols >= 32 ? 0xffffffffu : static_cast<__mmask32>((1u << cols) - 1)) {}
+  void Pair(__m512i r0, __m512i r1, __m512bh& b0, __m512bh& b1) const {
+    b0 = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
+    b1 = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
+  }
+  void Load(int k2, __m512bh& b0, __m512bh& b1) const {
+    const uint16_t* row = w + 2L * k2 * ldw;
+    Pair(_mm512_maskz_loadu_epi16(mask, row), _mm512_maskz_loadu_epi16(mask, row + ldw), b0, b1);
+  }
+  void Last(int k2, __m512bh& b0, __m512bh& b1) const {
+    Pair(_mm512_maskz_loadu_epi16(mask, w + 2L * k2 * ldw), _mm512_setzero_si512(), b0, b1);
+  }
+  void Fix(__m512& lo, __m512& hi) const {
+    // Column c of the tile sits in lane 4 * (c / 8) + c % 4 of lo (c % 8 < 4) or hi.
+    const __m512i want_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19,
+                                              4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i want_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27,
+                                              12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 l = _mm512_permutex2var_ps(lo, want_lo, hi);
+    hi = _mm512_permutex2var_ps(lo, want_hi, hi);
+    lo = l;
+  }
+};
+
+// Rows [0, MR) of x (bf16, row stride ldx) against 32 columns of W read through `b`.
+template <int MR, class B>
+void KernelBf16(const uint16_t* x, long ldx, int K, const B& b, void* y, long ldy, int cols,
+                bool out_bf16) {
   __m512 acc[MR][2];
 #pragma GCC unroll 12
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   const int K2 = K / 2;
   for (int k2 = 0; k2 < K2; ++k2) {
-    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + k2 * 64));
-    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + k2 * 64 + 32));
+    __m512bh b0, b1;
+    b.Load(k2, b0, b1);
 #pragma GCC unroll 12
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
@@ -119,9 +173,9 @@ void KernelBf16(const uint16_t* x, long ldx, int K, const uint16_t* panel, void*
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
     }
   }
-  if (K & 1) {  // the last k pairs with the packing's zero row; x[m][K] is never read
-    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + K2 * 64));
-    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + K2 * 64 + 32));
+  if (K & 1) {  // the last k pairs with a zero row of W; x[m][K] is never read
+    __m512bh b0, b1;
+    b.Last(K2, b0, b1);
 #pragma GCC unroll 12
     for (int m = 0; m < MR; ++m) {
       const __m512bh a = reinterpret_cast<__m512bh>(
@@ -131,20 +185,47 @@ void KernelBf16(const uint16_t* x, long ldx, int K, const uint16_t* panel, void*
     }
   }
 #pragma GCC unroll 12
-  for (int m = 0; m < MR; ++m) StoreRow(acc[m][0], acc[m][1], y, m * ldy, cols, out_bf16);
+  for (int m = 0; m < MR; ++m) {
+    b.Fix(acc[m][0], acc[m][1]);
+    StoreRow(acc[m][0], acc[m][1], y, m * ldy, cols, out_bf16);
+  }
 }
 #endif  // __AVX512BF16__
 
-// Rows [0, MR) of x (f32) against one packed f32 panel [K][32].
-template <int MR>
-void KernelF32(const float* x, long ldx, int K, const float* panel, void* y, long ldy, int cols,
+struct PackedF32 {
+  const float* panel;
+  PackedF32(const void* w, long, int) : panel(static_cast<const float*>(w)) {}
+  void Load(int k, __m512& b0, __m512& b1) const {
+    b0 = _mm512_loadu_ps(panel + k * 32);
+    b1 = _mm512_loadu_ps(panel + k * 32 + 16);
+  }
+};
+
+struct RowsF32 {
+  const float* w;
+  long ldw;
+  __mmask16 m0, m1;
+  RowsF32(const void* w_, long ldw_, int cols)
+      : w(static_cast<const float*>(w_)), ldw(ldw_),
+        m0(cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1)),
+        m1(cols >= 32 ? 0xffff : cols > 16 ? static_cast<__mmask16>((1u << (cols - 16)) - 1)
+                                           : 0) {}
+  void Load(int k, __m512& b0, __m512& b1) const {
+    b0 = _mm512_maskz_loadu_ps(m0, w + k * ldw);
+    b1 = _mm512_maskz_loadu_ps(m1, w + k * ldw + 16);
+  }
+};
+
+// Rows [0, MR) of x (f32) against 32 columns of W read through `b`.
+template <int MR, class B>
+void KernelF32(const float* x, long ldx, int K, const B& b, void* y, long ldy, int cols,
                bool out_bf16) {
   __m512 acc[MR][2];
 #pragma GCC unroll 12
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int k = 0; k < K; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(panel + k * 32);
-    const __m512 b1 = _mm512_loadu_ps(panel + k * 32 + 16);
+    __m512 b0, b1;
+    b.Load(k, b0, b1);
 #pragma GCC unroll 12
     for (int m = 0; m < MR; ++m) {
       const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
@@ -156,31 +237,36 @@ void KernelF32(const float* x, long ldx, int K, const float* panel, void* y, lon
   for (int m = 0; m < MR; ++m) StoreRow(acc[m][0], acc[m][1], y, m * ldy, cols, out_bf16);
 }
 
-using KernelFn = void (*)(const void* x, long ldx, int K, const void* panel, void* y, long ldy,
-                          int cols, bool out_bf16);
+// w: the panel (Packed) or W's first row at the tile's first column (Rows, stride ldw).
+using KernelFn = void (*)(const void* x, long ldx, int K, const void* w, long ldw, void* y,
+                          long ldy, int cols, bool out_bf16);
 
-template <Elem E, int MR>
-void KernelThunk(const void* x, long ldx, int K, const void* panel, void* y, long ldy, int cols,
-                 bool out_bf16) {
+enum class Layout { kPacked, kRows };
+
+template <Elem E, Layout L, int MR>
+void KernelThunk(const void* x, long ldx, int K, const void* w, long ldw, void* y, long ldy,
+                 int cols, bool out_bf16) {
   if constexpr (E == Elem::kF32) {
-    KernelF32<MR>(static_cast<const float*>(x), ldx, K, static_cast<const float*>(panel), y,
-                  ldy, cols, out_bf16);
+    using B = std::conditional_t<L == Layout::kPacked, PackedF32, RowsF32>;
+    KernelF32<MR>(static_cast<const float*>(x), ldx, K, B(w, ldw, cols), y, ldy, cols,
+                  out_bf16);
   } else {
 #if defined(__AVX512BF16__)
-    KernelBf16<MR>(static_cast<const uint16_t*>(x), ldx, K,
-                   static_cast<const uint16_t*>(panel), y, ldy, cols, out_bf16);
+    using B = std::conditional_t<L == Layout::kPacked, PackedBf16, RowsBf16>;
+    KernelBf16<MR>(static_cast<const uint16_t*>(x), ldx, K, B(w, ldw, cols), y, ldy, cols,
+                   out_bf16);
 #endif
   }
 }
 
-template <Elem E, int... MRs>
+template <Elem E, Layout L, int... MRs>
 constexpr std::array<KernelFn, sizeof...(MRs)> KernelTable(std::integer_sequence<int, MRs...>) {
-  return {&KernelThunk<E, MRs + 1>...};
+  return {&KernelThunk<E, L, MRs + 1>...};
 }
 
-template <Elem E>
+template <Elem E, Layout L = Layout::kPacked>
 KernelFn KernelFor(int rows) {
-  static constexpr auto table = KernelTable<E>(std::make_integer_sequence<int, kMaxRows>{});
+  static constexpr auto table = KernelTable<E, L>(std::make_integer_sequence<int, kMaxRows>{});
   return table[rows - 1];
 }
 
@@ -237,9 +323,9 @@ std::string Run(const Problem& p) {
         char* y = static_cast<char*>(p.y) +
                   (static_cast<long>(r0) * p.N + col0) * out_bytes;
         if (p.in == Elem::kBF16) {
-          KernelFor<Elem::kBF16>(rows)(x, p.K, p.K, panel, y, p.N, cols, p.out_bf16);
+          KernelFor<Elem::kBF16>(rows)(x, p.K, p.K, panel, 0, y, p.N, cols, p.out_bf16);
         } else {
-          KernelFor<Elem::kF32>(rows)(x, p.K, p.K, panel, y, p.N, cols, p.out_bf16);
+          KernelFor<Elem::kF32>(rows)(x, p.K, p.K, panel, 0, y, p.N, cols, p.out_bf16);
         }
       }
     }
@@ -249,6 +335,115 @@ std::string Run(const Problem& p) {
     for (int i = 0; i < items; ++i) item(i);
   } else {
     pool.Run(items, item);
+  }
+  return "";
+#endif
+}
+
+// The grouped GEMM: y[r] = x[r] @ W[e] for the rows r of group e, W [E, K, N] as stored.
+//
+//   x rows (sorted by group):  | group 0 | group 1 (empty) | group 2 ...  | past the end |
+//   group_end (int32 [E]):       end_0     end_1 = end_0     end_2   ...    end_{E-1}
+//
+// Row r belongs to the group e with end_{e-1} <= r < end_e (end_{-1} = 0); rows from
+// end_{E-1} on belong to none and come out zero. group_end is clamped to be nondecreasing
+// and within [0, M], so no value of it reads or writes outside the buffers. Each group's
+// rows run the dense GEMM's micro-kernels against its W[e] read in place (Rows*), in work
+// items of (group, column slice, chunk of row blocks); the weights of the experts no row
+// chose are never read.
+struct GroupedProblem {
+  int M, K, N, E;
+  Elem in;
+  bool out_bf16;
+  const void* x;            // [M, K]
+  const void* w;            // [E, K, N]
+  const int32_t* group_end; // [E]
+  void* y;                  // [M, N]
+};
+
+std::string RunGrouped(const GroupedProblem& p) {
+#if !defined(__AVX512F__)
+  return "this library was built without AVX-512";
+#else
+  if (p.in == Elem::kBF16 || p.out_bf16) {
+#if !defined(__AVX512BF16__)
+    return "this library was built without AVX512-BF16";
+#endif
+  }
+  const int elem_bytes = p.in == Elem::kBF16 ? 2 : 4;
+  const int out_bytes = p.out_bf16 ? 2 : 4;
+  const int P = (p.N + kPanelCols - 1) / kPanelCols;
+  const int max_rows = p.in == Elem::kBF16 && 2L * p.K * kMaxRows > kLongKBytes ? kLongKRows
+                                                                               : kMaxRows;
+  struct Group { int e, r0, rows, m_chunks; };
+  std::vector<Group> groups;
+  int begin = 0, total_m_chunks = 0;
+  for (int e = 0; e < p.E; ++e) {
+    const int end = std::clamp(static_cast<int>(p.group_end[e]), begin, p.M);
+    if (end > begin) {
+      const int blocks = (end - begin + max_rows - 1) / max_rows;
+      groups.push_back({e, begin, end - begin, (blocks + kChunkBlocks - 1) / kChunkBlocks});
+      total_m_chunks += groups.back().m_chunks;
+    }
+    begin = end;
+  }
+  if (begin < p.M) {  // rows in no group
+    std::memset(static_cast<char*>(p.y) + static_cast<long>(begin) * p.N * out_bytes, 0,
+                static_cast<long>(p.M - begin) * p.N * out_bytes);
+  }
+  if (groups.empty()) return "";
+  ThreadPool& pool = Pool();
+  const long kilo_macs = static_cast<long>(begin) * p.K / 1000 * p.N;
+  const int threads = kilo_macs < kInlineKiloMacs ? 1 : pool.size();
+  // Column slices: enough items to share out, and at most kItemWeightBytes of W[e] per
+  // slice where a group's rows span several chunks (they reread it from L2).
+  const long slice_chunks = (static_cast<long>(p.K) * P * kPanelCols * elem_bytes +
+                             kItemWeightBytes - 1) / kItemWeightBytes;
+  const bool reread = total_m_chunks > static_cast<int>(groups.size());
+  const int n_chunks = static_cast<int>(std::clamp<long>(
+      std::max<long>((kItemsPerThread * threads + total_m_chunks - 1) / total_m_chunks,
+                     reread ? slice_chunks : 1),
+      1, P));
+  struct Item { int g, nc, mc; };
+  std::vector<Item> items;
+  for (int g = 0; g < static_cast<int>(groups.size()); ++g) {
+    for (int nc = 0; nc < n_chunks; ++nc) {
+      for (int mc = 0; mc < groups[g].m_chunks; ++mc) items.push_back({g, nc, mc});
+    }
+  }
+  const long w_expert = static_cast<long>(p.K) * p.N;  // elements of one W[e]
+  auto item = [&](int i) {
+    const Item& it = items[i];
+    const Group& g = groups[it.g];
+    const RowBlocks blocks{(g.rows + max_rows - 1) / max_rows};
+    const int b_begin = it.mc * kChunkBlocks;
+    const int b_end = std::min(blocks.count, b_begin + kChunkBlocks);
+    const int p_begin = static_cast<int>(static_cast<long>(P) * it.nc / n_chunks);
+    const int p_end = static_cast<int>(static_cast<long>(P) * (it.nc + 1) / n_chunks);
+    const char* w = static_cast<const char*>(p.w) + g.e * w_expert * elem_bytes;
+    for (int q = p_begin; q < p_end; ++q) {
+      const int col0 = q * kPanelCols, cols = std::min(kPanelCols, p.N - col0);
+      for (int b = b_begin; b < b_end; ++b) {
+        const int r0 = g.r0 + blocks.Begin(b, g.rows);
+        const int rows = g.r0 + blocks.Begin(b + 1, g.rows) - r0;
+        const char* x = static_cast<const char*>(p.x) + static_cast<long>(r0) * p.K * elem_bytes;
+        char* y = static_cast<char*>(p.y) + (static_cast<long>(r0) * p.N + col0) * out_bytes;
+        const char* wq = w + static_cast<long>(col0) * elem_bytes;
+        if (p.in == Elem::kBF16) {
+          KernelFor<Elem::kBF16, Layout::kRows>(rows)(x, p.K, p.K, wq, p.N, y, p.N, cols,
+                                                      p.out_bf16);
+        } else {
+          KernelFor<Elem::kF32, Layout::kRows>(rows)(x, p.K, p.K, wq, p.N, y, p.N, cols,
+                                                     p.out_bf16);
+        }
+      }
+    }
+  };
+  const int n = static_cast<int>(items.size());
+  if (threads == 1) {
+    for (int i = 0; i < n; ++i) item(i);
+  } else {
+    pool.Run(n, item);
   }
   return "";
 #endif
@@ -362,12 +557,54 @@ ffi::Error Gemm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> 
   return ffi::Error::Success();
 }
 
+ffi::Error GroupedGemm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer group_end,
+                       ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), gd = group_end.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || wd.size() != 3 || gd.size() != 1) {
+    return ffi::Error::InvalidArgument("x must be [M, K], w [E, K, N], group_end [E], y [M, N]");
+  }
+  GroupedProblem p{static_cast<int>(xd[0]), static_cast<int>(xd[1]), static_cast<int>(wd[2]),
+                   static_cast<int>(wd[0]), Elem::kF32, false, x.untyped_data(),
+                   w.untyped_data(), nullptr, y->untyped_data()};
+  if (wd[1] != p.K || gd[0] != p.E || yd[0] != p.M || yd[1] != p.N) {
+    return ffi::Error::InvalidArgument("x [M, K], w [E, K, N], group_end [E] and y [M, N] "
+                                       "disagree");
+  }
+  if (group_end.element_type() != ffi::DataType::S32) {
+    return ffi::Error::InvalidArgument("group_end must be int32");
+  }
+  p.group_end = static_cast<const int32_t*>(group_end.untyped_data());
+  const ffi::DataType xt = x.element_type(), wt = w.element_type(), yt = y->element_type();
+  if (xt != wt) return ffi::Error::InvalidArgument("x and w differ in dtype");
+  if (xt == ffi::DataType::BF16) {
+    p.in = Elem::kBF16;
+  } else if (xt != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("x must be bf16 or f32");
+  }
+  if (yt == ffi::DataType::BF16) {
+    p.out_bf16 = true;
+  } else if (yt != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("y must be bf16 or f32");
+  }
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  if (p.K == 0 || p.E == 0) {  // an empty sum: zeros
+    std::memset(p.y, 0, static_cast<long>(p.M) * p.N * (p.out_bf16 ? 2 : 4));
+    return ffi::Error::Success();
+  }
+  std::string problem = RunGrouped(p);
+  if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxllm
 
 extern "C" {
 
 __attribute__((visibility("default"))) XLA_FFI_Error* JaxllmCpuGemm(XLA_FFI_CallFrame* call_frame);
+__attribute__((visibility("default"))) XLA_FFI_Error* JaxllmCpuGroupedGemm(
+    XLA_FFI_CallFrame* call_frame);
 
 // Threads the GEMM pool runs on (the caller's included), for tests and benchmarks.
 __attribute__((visibility("default"))) int JaxllmCpuGemmNumThreads() {
@@ -401,4 +638,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmCpuGemm, jaxllm::Gemm,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()   // x [M, K]
                                   .Arg<ffi::AnyBuffer>()   // packed W
+                                  .Ret<ffi::AnyBuffer>()); // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmCpuGroupedGemm, jaxllm::GroupedGemm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()   // x [M, K], rows sorted by group
+                                  .Arg<ffi::AnyBuffer>()   // w [E, K, N]
+                                  .Arg<ffi::AnyBuffer>()   // group_end int32 [E]
                                   .Ret<ffi::AnyBuffer>()); // y [M, N]
