@@ -126,8 +126,9 @@ def test_an_unknown_tool_call_parser_is_refused(app):
 
 # ---- vLLM's tests/entrypoints/openai/basic/test_return_token_ids.py --------------------
 # test_chat_completion_with_tool_use. Adaptations: the tiny random model; vLLM's test
-# checks the tool call only "if one was made", which a random model never does, so a second request has the model write
-# CALLS_OUTPUT (a structured_outputs choice) and the tool-call branch is checked for sure.
+# checks the tool call only "if one was made", which a random model never does, so a second
+# request has the model write CALLS_OUTPUT (a structured_outputs choice) and the tool-call
+# branch is checked for sure.
 WEATHER_TOOL = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a given location",
     "parameters": {"type": "object", "properties": {
