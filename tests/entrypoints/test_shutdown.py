@@ -6,12 +6,13 @@ step slowed by JAXLLM_TEST_STEP_DELAY_S so that its requests stay in flight, and
 
 - SIGTERM with --shutdown-timeout 3 (vLLM's test_wait_timeout_completes_requests,
   test_wait_timeout_with_short_duration and test_request_rejection_during_shutdown): the
-  requests in flight finish, new ones are refused, a stream that outlasts the timeout is cut,
-  the process exits within vLLM's bound (timeout + 10 s) with -SIGTERM, and its child (the
-  chat-template sandbox) is gone;
+  requests in flight finish, new ones are refused, a stream that outlasts the timeout is
+  aborted (its last chunk says finish_reason "abort", then `data: [DONE]`), the process exits
+  within vLLM's bound (timeout + 10 s) with -SIGTERM, and its child (the chat-template
+  sandbox) is gone;
 - SIGTERM with --shutdown-timeout 0 (test_abort_timeout_exits_quickly and
-  test_abort_timeout_fails_inflight_requests): every request in flight fails at once, and the
-  process exits within vLLM's 4 s;
+  test_abort_timeout_fails_inflight_requests): every request in flight is aborted at once
+  (finish_reason "abort", vLLM's), and the process exits within vLLM's 4 s;
 - the engine dying (vLLM's older test_shutdown_on_engine_failure, which crashed its engine
   with a bad LoRA adapter; jaxllm refuses such an adapter with a 400, so the loop is killed
   here instead): the requests in flight get their error, a stream its error event, and the
@@ -73,6 +74,12 @@ def exit_within(server: RemoteServer, since: float, bound: float) -> tuple[int, 
     return status, elapsed
 
 
+def finish_reasons(events: list[str]) -> list:
+    """The finish_reason of each chunk of a completion stream (its [DONE] aside)."""
+    return [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events
+            if e != "data: [DONE]" and json.loads(e[6:])["choices"]]
+
+
 def assert_gone(pids: list[int]) -> None:
     alive = [p for p in pids if psutil.pid_exists(p)
              and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
@@ -122,11 +129,10 @@ def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits(tiny_dir
             done_before = len(results)  # the rest of those sent before were in flight
             server.proc.send_signal(signal.SIGTERM)
             sigterm_at = time.monotonic()
-            await asyncio.gather(*loopers)
-            long_error = (await asyncio.gather(long, return_exceptions=True))[0]
-        return results, done_before, long_events, long_error, sigterm_at
+            await asyncio.gather(*loopers, long)
+        return results, done_before, long_events, sigterm_at
 
-    results, done_before, long_events, long_error, sigterm_at = asyncio.run(main())
+    results, done_before, long_events, sigterm_at = asyncio.run(main())
     status, elapsed = exit_within(server, sigterm_at, 3 + 10)
     sent_before = [outcome for after, outcome in results if not after]
     sent_after = [outcome for after, outcome in results if after]
@@ -135,16 +141,17 @@ def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits(tiny_dir
     # the four requests in flight at the signal finished; every later one was refused
     assert set(sent_before[:done_before]) == {200} and sent_before[done_before:] == [200] * 4
     assert len(sent_after) == 4 and not any(outcome == 200 for outcome in sent_after)
-    # the stream outlasting the 3 s was cut: it never finished
-    assert isinstance(long_error, httpx.RemoteProtocolError), long_error
-    assert "data: [DONE]" not in long_events and len(long_events) < LONG["max_tokens"]
+    # the stream outlasting the 3 s was aborted then, and ended as a stream does
+    assert finish_reasons(long_events) == [None] * (len(long_events) - 2) + ["abort"]
+    assert long_events[-1] == "data: [DONE]" and len(long_events) < LONG["max_tokens"]
     assert status == -signal.SIGTERM and 3 <= elapsed < 13
-    assert "Cancel 1 running task(s), timeout graceful shutdown exceeded" in server.log
+    assert "shutdown timeout (3.0 s) over: aborting the requests in flight" in server.log
+    assert "Cancel" not in server.log  # no connection had to be cut
     assert "jaxllm: engine shut down" in server.log
     assert_gone(children)
 
 
-def test_sigterm_with_shutdown_timeout_0_fails_requests_in_flight_and_exits_at_once(tiny_dir):
+def test_sigterm_with_shutdown_timeout_0_aborts_requests_in_flight_and_exits(tiny_dir):
     server = start(tiny_dir, "--shutdown-timeout", "0")
 
     async def main():
@@ -160,13 +167,18 @@ def test_sigterm_with_shutdown_timeout_0_fails_requests_in_flight_and_exits_at_o
             outcomes = await asyncio.gather(*requests, stream, return_exceptions=True)
             return outcomes, events, sigterm_at, time.monotonic() - sigterm_at
 
-    outcomes, events, sigterm_at, failed_after = asyncio.run(main())
+    outcomes, events, sigterm_at, ended_after = asyncio.run(main())
     status, elapsed = exit_within(server, sigterm_at, 4)
     print(f"\nexit {status} {elapsed:.1f} s after SIGTERM; in flight: "
-          f"{[type(o).__name__ for o in outcomes]} after {failed_after:.1f} s")
-    # none finished: each lost its connection (no response can be sent once cut)
-    assert all(isinstance(o, httpx.RemoteProtocolError) for o in outcomes), outcomes
-    assert failed_after < 4 and "data: [DONE]" not in events
+          f"{[getattr(o, 'status_code', o) for o in outcomes]} after {ended_after:.1f} s")
+    # each was aborted at once: the whole ones answered, the stream ended
+    for response in outcomes[:3]:
+        assert response.status_code == 200, response
+        assert response.json()["choices"][0]["finish_reason"] == "abort"
+        assert len(response.json()["choices"][0]["text"]) < 200
+    assert outcomes[3] is None and events[-1] == "data: [DONE]"
+    assert finish_reasons(events)[-1] == "abort"
+    assert ended_after < 4
     assert status == -signal.SIGTERM
     assert "jaxllm: engine shut down" in server.log
 
