@@ -261,6 +261,12 @@ class AsyncLLM:
         for loop in self.loops:  # unknown ids are ignored: only the owner acts
             loop.send("abort", ids)
 
+    def abort_all(self) -> None:
+        """Abort every request in flight, on every replica (from the event loop's thread, at
+        once): each stream ends with a finish_reason "abort" output."""
+        for loop in self.loops:
+            loop.send("abort", None)
+
     def get_metrics(self):
         """Every replica's metrics, told apart by their `engine` label (as vLLM's)."""
         return [m for engine in self.engines for m in engine.get_metrics()]
@@ -303,8 +309,7 @@ class AsyncLLM:
         self._sleeping = True
         try:
             if mode == "abort":
-                for loop in self.loops:
-                    loop.send("abort", None)
+                self.abort_all()
             while any(await self._on_every_replica("has_unfinished_requests")):
                 await asyncio.sleep(0.01)
             await self._on_every_replica("sleep", level)

@@ -6,7 +6,7 @@ config.yaml` whose keys are flag names (dashes or underscores); flags given on t
 line win over the file. A bool flag alone means true (`--disable-log-stats`, as vLLM's), or
 takes a value (`--enable-prefix-caching false`). Unlike `LLM(...)`, the server logs a stats
 line every 10 s unless `--disable-log-stats` (vLLM's defaults for both). Never builds
-responses: it starts uvicorn on api_server's app.
+responses: it starts uvicorn on api_server's app (openai/launcher.py).
 
 Several nodes (jaxllm/distributed/): every node runs the same command with its own
 `--node-rank`; node 0 serves the API, the others add `--headless` and only replay its steps.
@@ -217,11 +217,10 @@ def _chat_template(value: str | None) -> str | None:
 
 
 def serve(argv: list[str]) -> None:
-    import uvicorn
-
     from jaxllm.async_llm import AsyncLLM
     from jaxllm.entrypoints.openai.api_server import build_app
     from jaxllm.entrypoints.openai.frontend import FrontendOptions
+    from jaxllm.entrypoints.openai.launcher import serve_http
     from jaxllm.models.resolve import DEFAULT_MODEL
 
     server, config = resolve_args(argv)
@@ -248,19 +247,21 @@ def serve(argv: list[str]) -> None:
     # and the engine thread alike. vLLM freezes its API server and engine core the same way.
     gc.collect()
     gc.freeze()
-    # uvicorn handles SIGINT / SIGTERM: stop accepting, finish in-flight responses (for
-    # --shutdown-timeout seconds, 30 by default), then the app's lifespan shuts the engine
-    # down.
+    # SIGINT / SIGTERM: stop accepting, finish in-flight responses (for --shutdown-timeout
+    # seconds, 30 by default), then the app's lifespan shuts the engine down; the engine
+    # dying stops the server the same way, with exit status 1 (launcher.py).
     timeout = server["shutdown_timeout"]
-    uvicorn.run(app, host=server["host"], port=server["port"], uds=server["uds"],
-                log_level=server["uvicorn_log_level"],
-                access_log=not server["disable_uvicorn_access_log"],
-                timeout_graceful_shutdown=30 if timeout is None else timeout,
-                root_path=server["root_path"] or "", ssl_keyfile=server["ssl_keyfile"],
-                ssl_certfile=server["ssl_certfile"], ssl_ca_certs=server["ssl_ca_certs"],
-                ssl_cert_reqs=server["ssl_cert_reqs"],
-                **({"ssl_ciphers": server["ssl_ciphers"]} if server["ssl_ciphers"] else {}),
-                **{k: server[k] for k in ("h11_max_incomplete_event_size",) if k in server})
+    status = serve_http(
+        app, host=server["host"], port=server["port"], uds=server["uds"],
+        log_level=server["uvicorn_log_level"], access_log=not server["disable_uvicorn_access_log"],
+        timeout_graceful_shutdown=30 if timeout is None else timeout,
+        root_path=server["root_path"] or "", ssl_keyfile=server["ssl_keyfile"],
+        ssl_certfile=server["ssl_certfile"], ssl_ca_certs=server["ssl_ca_certs"],
+        ssl_cert_reqs=server["ssl_cert_reqs"],
+        **({"ssl_ciphers": server["ssl_ciphers"]} if server["ssl_ciphers"] else {}),
+        **{k: server[k] for k in ("h11_max_incomplete_event_size",) if k in server})
+    if status:
+        sys.exit(status)
 
 
 def _pooling_app(config, server: dict):

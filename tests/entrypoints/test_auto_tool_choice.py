@@ -1,7 +1,10 @@
 """tool_choice="auto" through the server's app (in-process, the tiny model) with the openai
 client: a `structured_outputs` choice makes the model write exactly a Hermes-format output,
 which the server's `hermes` parser reads back, whole and streamed token by token. Exact
-contents, calls and finish reasons; a stream's pieces join to the non-streamed message."""
+contents, calls and finish reasons; a stream's pieces join to the non-streamed message.
+
+Also the tool-use case of vLLM's test_return_token_ids (tests/entrypoints/openai/basic/
+test_return_token_ids.py, vLLM 0.32; its other cases are in test_vllm_ports.py)."""
 
 from __future__ import annotations
 
@@ -43,23 +46,31 @@ def app(tmp_path_factory):
     engine.shutdown()
 
 
-def chat(app, output: str, stream: bool, n: int = 1):
-    """The response to MESSAGES with TOOLS (tool_choice left to its default, "auto") when
-    the model can write nothing but `output`; a stream's chunks as a list."""
+def client_run(app, fn):
+    """`await fn(client)` with an openai.AsyncOpenAI talking to the in-process app."""
     async def one():
         transport = httpx.ASGITransport(app=app)
         async with openai.AsyncOpenAI(
                 base_url="http://jaxllm/v1", api_key="unused", max_retries=0,
                 http_client=httpx.AsyncClient(transport=transport, base_url="http://jaxllm",
                                               timeout=300)) as client:
-            response = await client.chat.completions.create(
-                model="tiny", messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=0, stream=stream, n=n,
-                extra_body={"structured_outputs": {"choice": [output]}})
-            if not stream:
-                return response
-            return [chunk async for chunk in response]
+            return await fn(client)
 
     return asyncio.run(one())
+
+
+def chat(app, output: str, stream: bool, n: int = 1):
+    """The response to MESSAGES with TOOLS (tool_choice left to its default, "auto") when
+    the model can write nothing but `output`; a stream's chunks as a list."""
+    async def one(client):
+        response = await client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=0,
+            stream=stream, n=n, extra_body={"structured_outputs": {"choice": [output]}})
+        if not stream:
+            return response
+        return [chunk async for chunk in response]
+
+    return client_run(app, one)
 
 
 def test_auto_tool_calls_whole_and_streamed(app):
@@ -111,3 +122,64 @@ def test_an_unknown_tool_call_parser_is_refused(app):
                       tool_parser="mistral")
     assert str(e.value) == ("invalid tool_call_parser: 'mistral' (choose from hermes, "
                             "llama3_json, llama4_json, pythonic)")
+
+
+# ---- vLLM's tests/entrypoints/openai/basic/test_return_token_ids.py --------------------
+# test_chat_completion_with_tool_use. Adaptations: the tiny random model; vLLM's test
+# checks the tool call only "if one was made", which a random model never does, so a second
+# request has the model write CALLS_OUTPUT (a structured_outputs choice) and the tool-call
+# branch is checked for sure.
+WEATHER_TOOL = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given location",
+    "parameters": {"type": "object", "properties": {
+        "location": {"type": "string",
+                     "description": "The city and state, e.g. San Francisco, CA"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"],
+                 "description": "The unit of temperature"}},
+        "required": ["location"]}}}]
+WEATHER_MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": "What's the weather like in Paris?"}]
+
+
+def test_chat_completion_with_tool_use(app):
+    tokenizer = app.state.serving.engine.tokenizer
+
+    async def run(client):
+        def create(return_token_ids: bool, **extra):
+            return client.chat.completions.create(
+                model="tiny", messages=WEATHER_MESSAGES, tools=WEATHER_TOOL,
+                tool_choice="auto", max_tokens=100, temperature=0, logprobs=True,
+                extra_body={"return_token_ids": return_token_ids, **extra})
+
+        response = await create(True)
+        choice = response.choices[0]
+        assert isinstance(choice.token_ids, list) and isinstance(response.prompt_token_ids,
+                                                                 list)
+        prompt_text = tokenizer.decode(response.prompt_token_ids)
+        assert "You are a helpful assistant" in prompt_text
+        assert "What's the weather like in Paris?" in prompt_text
+        assert len(tokenizer.decode(choice.token_ids)) > 0
+        assert choice.message.content is not None
+        # the random model's own words: no call, its content is every token it wrote
+        assert choice.message.tool_calls is None
+        assert choice.message.content == tokenizer.decode(choice.token_ids)
+        assert [t.token for t in choice.logprobs.content] == [
+            tokenizer.decode([t]) for t in choice.token_ids]
+
+        # the model writes two tool calls: the tokens are the whole output, calls included,
+        # and the EOS that ended it (as vLLM's, whose test notes the <|im_end|>)
+        called = await create(True, structured_outputs={"choice": [CALLS_OUTPUT]})
+        choice = called.choices[0]
+        assert tokenizer.decode(choice.token_ids) == CALLS_OUTPUT + tokenizer.eos_token
+        assert choice.finish_reason == "tool_calls"
+        assert called.prompt_token_ids == response.prompt_token_ids
+        assert choice.message.content == "Let me see. "
+        assert choice.message.tool_calls[0].function.name == "get_weather"
+        assert [(c.function.name, c.function.arguments)
+                for c in choice.message.tool_calls] == CALLS
+
+        without = await create(False)
+        assert without.choices[0].token_ids is None and without.prompt_token_ids is None
+        assert without.choices[0].message.content == response.choices[0].message.content
+
+    client_run(app, run)

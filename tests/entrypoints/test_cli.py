@@ -61,11 +61,13 @@ def test_a_headless_follower_builds_the_engine_and_serves_no_api(monkeypatch):
 
     import jaxllm.llm_engine
     from jaxllm.entrypoints import cli
+    from jaxllm.entrypoints.openai import launcher
 
     built = []
     monkeypatch.setattr(jaxllm.llm_engine, "LLMEngine",
                         lambda config, use_tqdm: built.append(config))
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("a follower served"))
+    for module, name in ((uvicorn, "run"), (uvicorn.Server, "run"), (launcher, "serve_http")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("a follower served"))
     monkeypatch.setattr(cli, "_log_to_stderr", lambda: None)  # leave the logger alone
     cli.serve(["m", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
                "--headless"])

@@ -152,16 +152,14 @@ def test_help_lists_the_flags_in_vllms_groups():
 def test_serve_hands_the_flags_to_the_app_and_uvicorn(monkeypatch, caplog):
     """`jaxllm serve` with the flags vLLM's entrypoint tests start their servers with: the
     no-ops are logged once each, the rest reach build_app and uvicorn (no engine is built)."""
-    import uvicorn
-
     import jaxllm.async_llm
     from jaxllm.entrypoints import cli
-    from jaxllm.entrypoints.openai import api_server
+    from jaxllm.entrypoints.openai import api_server, launcher
 
     seen = {}
     monkeypatch.setattr(jaxllm.async_llm, "AsyncLLM", lambda config, use_tqdm: "ENGINE")
     monkeypatch.setattr(api_server, "build_app", lambda engine, **kw: seen.update(app=kw))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(run=kw))
+    monkeypatch.setattr(launcher, "serve_http", lambda app, **kw: seen.update(run=kw) or 0)
     monkeypatch.setattr(cli, "_log_to_stderr", lambda: None)
     monkeypatch.setattr(cli.gc, "freeze", lambda: None)
     caplog.set_level("INFO", logger="jaxllm.serve")

@@ -5,8 +5,9 @@ with the client's pydantic models without a warning.
 Adaptations, everywhere: the tiny random Llama with SmolLM2's tokenizer instead of vLLM's
 models (Zephyr, Qwen2); max_model_len 64 and max_logprobs 20 (so vLLM's -1 logprobs become
 20); a random model never says EOS, so finish_reason is "length" where vLLM's say "stop".
-Each test names its source and any other adaptation. Not ported: the tool-use case of
-test_return_token_ids (tool calls have their own tests), LoRA and multimodal variants.
+Each test names its source and any other adaptation. Ported elsewhere: the tool-use case of
+test_return_token_ids (test_auto_tool_choice.py, whose app parses tool calls). Not ported:
+LoRA and multimodal variants.
 """
 
 from __future__ import annotations

@@ -128,6 +128,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str], api_key: str |
         frontend.disable_fastapi_docs) else {}
     app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan, **docs)
     app.state.serving = serving
+    app.state.engine_client = engine  # vLLM's name; launcher.py stops the server if it dies
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):

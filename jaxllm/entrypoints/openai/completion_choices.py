@@ -2,9 +2,10 @@
 
 Owns what a choice carries beyond its text (vLLM's rules): `echo` (the prompt's text, token
 ids and prompt logprobs before the output's; with max_tokens 0, the prompt alone),
-`return_token_ids` (`prompt_token_ids` and `token_ids`; in a stream, the prompt's ids on a
-choice's first chunk only), `prompt_logprobs`, `return_tokens_as_token_ids`, and the
-streamed `text_offset`s. Never touches the engine or HTTP (serving.py does).
+`return_token_ids` (`prompt_token_ids` and `token_ids`, null in a whole choice that did not
+ask, as vLLM's; in a stream, the prompt's ids on a choice's first chunk only),
+`prompt_logprobs`, `return_tokens_as_token_ids`, and the streamed `text_offset`s. Never
+touches the engine or HTTP (serving.py does).
 
     echo, whole:    text = prompt text + output text          (return_token_ids: "" + ...)
                     logprobs over prompt ids + output ids; the prompt's first token has
@@ -71,9 +72,10 @@ def whole_choice(shape: CompletionShape, index: int, out: RequestOutput,
     if shape.k is not None and entries is not None:
         choice["logprobs"] = completion_logprobs(token_ids, entries, shape.k, 0,
                                                  shape.as_ids, decode)
-    if shape.token_ids:
-        choice["prompt_token_ids"] = list(out.prompt_token_ids)
-        choice["token_ids"] = [] if shape.echo_only else list(c.token_ids)
+    # null unless asked for: vLLM's non-streamed response states every field it has
+    choice["prompt_token_ids"] = list(out.prompt_token_ids) if shape.token_ids else None
+    choice["token_ids"] = (([] if shape.echo_only else list(c.token_ids)) if shape.token_ids
+                           else None)
     return choice
 
 

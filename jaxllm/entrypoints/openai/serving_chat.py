@@ -188,18 +188,17 @@ async def create_chat_completion(serving, req: ChatCompletionRequest, model: str
                   "logprobs": (chat_logprobs(c.token_ids, c.logprobs, k, as_ids,
                                              serving.engine.tokenizer.decode)
                                if c.logprobs is not None else None),
-                  "finish_reason": finish, "stop_reason": c.stop_reason}
-        if req.return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
+                  "finish_reason": finish, "stop_reason": c.stop_reason,
+                  # null unless asked for: vLLM's response states every field it has
+                  "token_ids": list(c.token_ids) if req.return_token_ids else None}
         choices.append(choice)
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices,
             "usage": serving.usage(len(out.prompt_token_ids),
                                    sum(len(c.token_ids) for c in out.outputs),
                                    out.num_cached_tokens),
-            "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
-    if req.return_token_ids:
-        body["prompt_token_ids"] = list(out.prompt_token_ids)
+            "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
+            "prompt_token_ids": list(out.prompt_token_ids) if req.return_token_ids else None}
     if req.return_prompt_text:
         body["prompt_text"] = prompt.text
     return body
