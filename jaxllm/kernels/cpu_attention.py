@@ -18,8 +18,12 @@ kv heads, so each page's K and V rows are read contiguously, once per tile:
                                        [rows 32..39 | blocks 0..14]  keys [0, 240)
 
 Items go largest first to a persistent thread pool (one thread per CPU, or
-JAXLLM_CPU_ATTENTION_THREADS, the calling thread included) that hands them out from one
-atomic counter. When the items are too few to keep every thread busy (batch-1 decode, one
+JAXLLM_CPU_ATTENTION_THREADS, the calling thread included), each thread claiming them from one
+atomic counter. While more than 2 x threads items are left, a thread claims its next item
+before running the current one, and in the current one's last key blocks prefetches the next
+one's first: a run of short decode rows keeps its loads in flight across rows (on a 2-core
+EPYC under load 8-11, 64 rows x 200 keys of bf16: 5-13% less time per call than a cold start
+per row, A/B interleaved). When the items are too few to keep every thread busy (batch-1 decode, one
 long prefill tile) a long item is split over its key blocks; each part leaves a partial
 softmax (max, sum, unnormalised output) and a merge step combines the parts:
 

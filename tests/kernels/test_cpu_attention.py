@@ -149,6 +149,28 @@ def test_window_skips_pages_before_it():
     check(call(shape), shape, Batch((1, 1, 9), (600, 40, 300), seed=10))
 
 
+# A thread claims its next item before running the current one and, in the current one's last
+# key blocks, prefetches the next one's first. Decode rows here are shorter and longer than
+# that two-block reach (contexts 0..300), one is long enough to be split over the pool, and
+# with a window the next item's blocks start mid-sequence: every answer must still be its own.
+RUN_ON_BF16 = Shape(T=16, S=12, max_blocks=40, Hkv=3, G=3, D=64, dtype="bfloat16",
+                    block_size=8)
+RUN_ON_F32 = Shape(T=16, S=12, max_blocks=20, Hkv=3, G=3, D=64, dtype="float32",
+                   sliding_window=40, logits_soft_cap=5.0)
+
+
+@pytest.mark.parametrize("shape,bits", [(RUN_ON_BF16, True), (RUN_ON_BF16, False),
+                                        (RUN_ON_F32, False)],
+                         ids=["bf16-P8-u16", "bf16-P8", "f32-w40-cap5"])
+def test_items_prefetching_into_the_next_one(shape, bits):
+    ctx = (0, 15, 31, 32, 47, 300, 16, 1, 100, 33, 250, 63)
+    ctx = tuple(min(c, shape.max_blocks * shape.block_size - 1) for c in ctx)
+    check(call(shape, bits), shape, Batch(q_lens=(1,) * 12, ctx_lens=ctx, seed=11))
+    # Prefill tiles between decode rows: items of many rows next to one-row items.
+    check(call(shape, bits), shape, Batch(q_lens=(1, 9, 1, 1, 3), ctx_lens=(40, 0, 5, 90, 17),
+                                          seed=12))
+
+
 def test_long_sequence_leaves_short_ones_alone():
     check_long_sequence_leaves_short_ones_alone(call)
 

@@ -3,7 +3,8 @@
 //
 // Owns: the XLA FFI handler `JaxllmRaggedPagedAttention`: checking the batch metadata, cutting
 // the batch into work items (sequence x query tile x key range), running them on the thread
-// pool, merging split key ranges, and zeroing padding rows.
+// pool (each thread prefetching into the item it runs next), merging split key ranges, and
+// zeroing padding rows.
 // Must never: read a cache slot that no query of its item may see, past its rows or before
 // their sliding window (invisible slots may hold NaN, and may not even be backed by a valid
 // page), or anything of sequences past num_seqs; visit key blocks wholly before a window;
@@ -15,6 +16,7 @@
 // c tanh(s / c) before the softmax.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -211,6 +213,30 @@ struct BlockRows {
   }
 };
 
+// The key blocks an item reads: [kb_begin, kb_end), keys [first_key, last] of its sequence.
+struct KeySpan {
+  const int32_t* bt;
+  int first_key, last, kb_begin, kb_end;
+
+  KeySpan(const Batch& b, const Item& it)
+      : bt(b.block_tables + static_cast<long>(it.seq) * b.sh.W),
+        // Keys before the first row's window, or past the last row, are invisible to all.
+        first_key(b.window > 0 ? std::max(0, it.first_pos - b.window + 1) : 0),
+        last(it.first_pos + it.num_rows - 1),
+        kb_begin(it.kb_begin),
+        kb_end(std::min(it.kb_end, last / kBlockKeys + 1)) {}
+
+  int blocks() const { return std::max(0, kb_end - kb_begin); }
+
+  // The row addresses of key block `blk` into `rows`.
+  template <Storage S>
+  BlockRows& Fill(const Batch& b, int blk, BlockRows& rows) const {
+    const int kb0 = blk * kBlockKeys;
+    rows.Fill<S>(b, bt, kb0, std::max(0, first_key - kb0), std::min(kBlockKeys, last + 1 - kb0));
+    return rows;
+  }
+};
+
 // Prefetches the rows of one future key block a few cache lines at a time, spread over the
 // current block's compute. Bursts stall the core (each prefetch waits for a miss buffer) and
 // overlap little: all of a block's lines at once took 6.0 ms for 100 MB of pages with 2 ms of
@@ -286,8 +312,14 @@ const ComputeType<S>* HeadRows(const BlockRows& block, const char* const* rows, 
   return out;
 }
 
+// Runs item `it`, whose first `ready` key blocks a previous item already prefetched. `next`
+// (nullptr: none) is the item this thread runs after it: once `it` has no blocks left to
+// prefetch, the prefetches run on into `next`'s first blocks, so that a thread going from one
+// short decode row to the next keeps its loads in flight. Returns how many of `next`'s
+// leading blocks it prefetched.
 template <Storage S, int kH>
-void RunItem(const Batch& b, const Item& it, Scratch& sc, float* partials) {
+int RunItem(const Batch& b, const Item& it, int ready, const Item* next, Scratch& sc,
+            float* partials) {
   using E = ComputeType<S>;
   const Shapes& sh = b.sh;
   const int N = sh.N, H = HeadDim<kH>(sh.H), G = sh.G, rows = it.num_rows;
@@ -314,26 +346,26 @@ void RunItem(const Batch& b, const Item& it, Scratch& sc, float* partials) {
     q = sc.q.data();
   }
 
-  const int32_t* bt = b.block_tables + static_cast<long>(it.seq) * sh.W;
-  const int last = it.first_pos + rows - 1;  // keys past it are invisible to every row
-  const int kb_end = std::min(it.kb_end, last / kBlockKeys + 1);
-  // Keys before the first row's window are invisible to every row.
+  const KeySpan span(b, it);
+  const int kb_end = span.kb_end;
   const int window = b.window;
-  const int first_key = window > 0 ? std::max(0, it.first_pos - window + 1) : 0;
   float* alpha = sc.alpha.data();
-  // Rows of the current block and of the kPrefetchDistance blocks after it (a ring).
-  BlockRows blocks[kPrefetchDistance + 1];
+  // Rows of the current block and of the kPrefetchDistance blocks after it (a ring), and of
+  // the next item's block being prefetched.
+  BlockRows blocks[kPrefetchDistance + 1], ahead;
   auto fill = [&](int blk) -> BlockRows& {
-    BlockRows& r = blocks[blk % (kPrefetchDistance + 1)];
-    const int kb0 = blk * kBlockKeys;
-    r.Fill<S>(b, bt, kb0, std::max(0, first_key - kb0), std::min(kBlockKeys, last + 1 - kb0));
-    return r;
+    return span.Fill<S>(b, blk, blocks[blk % (kPrefetchDistance + 1)]);
   };
+  // Only an item with at least kPrefetchDistance blocks prefetches into the next one, from
+  // its first block on.
+  const bool run_on = next != nullptr && span.blocks() >= kPrefetchDistance;
+  int next_ready = 0;
   PrefetchCursor prefetch;
-  // The first blocks have nothing to hide behind: all of their lines at once.
+  // The first blocks have nothing to hide behind: all of their lines at once (unless the
+  // previous item did it).
   for (int blk = it.kb_begin; blk < std::min(kb_end, it.kb_begin + kPrefetchDistance); ++blk) {
     prefetch.Start(&fill(blk), 1);
-    prefetch.Step();
+    if (blk - it.kb_begin >= ready) prefetch.Step();
   }
   for (int blk = it.kb_begin; blk < kb_end; ++blk) {
     const BlockRows& cur = blocks[blk % (kPrefetchDistance + 1)];
@@ -343,9 +375,19 @@ void RunItem(const Batch& b, const Item& it, Scratch& sc, float* partials) {
     const int end_row = window > 0 ? std::clamp(kb0 + kBlockKeys - 1 + window - it.first_pos,
                                                 first_row, rows)
                                    : rows;
+    // Spread over the Step() calls below.
+    const int steps = 2 * sh.K * (end_row - first_row);
     if (blk + kPrefetchDistance < kb_end) {
-      // Spread over the Step() calls below.
-      prefetch.Start(&fill(blk + kPrefetchDistance), 2 * sh.K * (end_row - first_row));
+      prefetch.Start(&fill(blk + kPrefetchDistance), steps);
+    } else if (run_on) {
+      const KeySpan next_span(b, *next);
+      const int j = blk + kPrefetchDistance - kb_end;  // 0, 1, ...: blocks of next in order
+      if (j < next_span.blocks()) {
+        prefetch.Start(&next_span.Fill<S>(b, next_span.kb_begin + j, ahead), steps);
+        next_ready = j + 1;
+      } else {
+        prefetch.Stop();
+      }
     } else {
       prefetch.Stop();
     }
@@ -378,7 +420,7 @@ void RunItem(const Batch& b, const Item& it, Scratch& sc, float* partials) {
       dst[h * (H + 2) + 1] = sc.l[h];
       std::memcpy(dst + h * (H + 2) + 2, sc.o.data() + h * H, H * sizeof(float));
     }
-    return;
+    return next_ready;
   }
   for (long h = 0; h < static_cast<long>(rows) * N; ++h) {
     const float inv = sc.l[h] > 0.0f ? 1.0f / sc.l[h] : 0.0f;
@@ -386,6 +428,7 @@ void RunItem(const Batch& b, const Item& it, Scratch& sc, float* partials) {
       FromF32<S>(sc.o[h * H + c] * inv, b.out, it.row0 * NH + h * H + c);
     }
   }
+  return next_ready;
 }
 
 template <Storage S>
@@ -429,11 +472,34 @@ void Run(const Batch& b, const Plan& plan) {
     const Split& last = plan.splits.back();
     partials.resize(static_cast<size_t>(last.first_part + last.num_parts) * b.part_stride);
   }
-  ThreadPool::Get().Run(static_cast<int>(plan.items.size()), [&](int i) {
+  auto run_item = [&](const Item& it, int ready, const Item* next) {
     switch (sh.H) {
-      case 64: RunItem<S, 64>(b, plan.items[i], ThreadScratch(), partials.data()); break;
-      case 128: RunItem<S, 128>(b, plan.items[i], ThreadScratch(), partials.data()); break;
-      default: RunItem<S, 0>(b, plan.items[i], ThreadScratch(), partials.data()); break;
+      case 64: return RunItem<S, 64>(b, it, ready, next, ThreadScratch(), partials.data());
+      case 128: return RunItem<S, 128>(b, it, ready, next, ThreadScratch(), partials.data());
+      default: return RunItem<S, 0>(b, it, ready, next, ThreadScratch(), partials.data());
+    }
+  };
+  // Items are claimed largest first from one counter. While many are left, a thread claims
+  // its next item before running the current one, so that it can prefetch the next item's
+  // first blocks during the current one's last; the last 2 x threads items are claimed one at
+  // a time, so that none waits behind a busy thread while another is idle. A thread that
+  // finds the pool busy runs every call itself: the first drains the items.
+  const int num_items = static_cast<int>(plan.items.size());
+  std::atomic<int> counter{0};
+  ThreadPool& pool = ThreadPool::Get();
+  const int threads = std::min(pool.size(), num_items);
+  pool.Run(threads, [&](int) {
+    int cur = counter.fetch_add(1), ready = 0;
+    while (cur < num_items) {
+      const bool hold = counter.load(std::memory_order_relaxed) + 2 * threads <= num_items;
+      const int next = hold ? counter.fetch_add(1) : num_items;
+      ready = run_item(plan.items[cur], ready, next < num_items ? &plan.items[next] : nullptr);
+      if (hold) {
+        cur = next;
+      } else {
+        cur = counter.fetch_add(1);
+        ready = 0;
+      }
     }
   });
   ThreadPool::Get().Run(static_cast<int>(plan.splits.size()), [&](int i) {
