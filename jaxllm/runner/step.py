@@ -67,6 +67,9 @@ class SampledStep:
     hidden_TD: jax.Array  # the final hidden states of every packed row
     input_ids_T: jax.Array  # the row tokens, device-fed ones filled in
     logits_fn: Callable[[jax.Array], jax.Array]  # hidden [N, D] -> f32 logits [N, V]
+    # f32 [T, V], the raw logits of every packed row where the step computed them anyway
+    # (`step_logits`); None: rows other than the sampled ones need logits_fn
+    logits_TV: jax.Array | None
     bm: BatchMetadata
     smd: SamplingMetadata
     sampled_S: jax.Array  # [S] int32, the sampler's token at each sequence's last row
@@ -105,7 +108,9 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
         hooks = StepHooks(features, rows, bm.slot_T, bm.slot_S).bind(model)
         hidden_TD, kv_caches = model(md.replace(input_ids=input_ids_T), kv_caches,
                                      dataclasses.replace(ops, hooks=hooks), hooks)
-        logits_SV = model.compute_logits(hidden_TD[bm.logits_indices_S], ops)  # f32
+        logits_fn = lambda h_ND: model.compute_logits(h_ND, ops)  # noqa: E731  (f32)
+        logits_TV, logits_SV = step_logits(logits_fn, hidden_TD, bm.logits_indices_S,
+                                           features)
         logits_SV = hooks.at("logits", None, logits_SV)  # e.g. grammar bitmasks
 
         k = num_topk(max_logprobs, logits_SV.shape[-1])
@@ -113,8 +118,7 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
                      lambda: token_ids_RL.at[bm.slot_S].get(mode="fill", fill_value=0),
                      logprobs_mode=logprobs_mode, max_num_logprobs=max_logprobs)
         # The sampled token sits right after the sequence's last computed position.
-        hooks.sampled(SampledStep(hidden_TD, input_ids_T,
-                                  lambda h_ND: model.compute_logits(h_ND, ops), bm, smd,
+        hooks.sampled(SampledStep(hidden_TD, input_ids_T, logits_fn, logits_TV, bm, smd,
                                   out.sampled_token_ids))
         write_slot_S = jnp.where(bm.samples_S, bm.slot_S, R)
         token_ids_RL = token_ids_RL.at[write_slot_S, md.seq_lens].set(out.sampled_token_ids,
@@ -122,8 +126,7 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
 
         def prompt_logprobs():
             rows = prompt_logprobs_chunk or prompt_logprobs_chunk_rows(logits_SV.shape[-1])
-            return chunked_prompt_logprobs(lambda h_CD: model.compute_logits(h_CD, ops),
-                                           hidden_TD, bm.prompt_targets_T, k, rows)
+            return chunked_prompt_logprobs(logits_fn, hidden_TD, bm.prompt_targets_T, k, rows)
 
         prompt = jax.lax.cond(jnp.any(bm.wants_prompt_logprobs_T), prompt_logprobs,
                               lambda: zero_logprobs(bm.prompt_targets_T, k))
@@ -131,6 +134,29 @@ def make_step_fn(graphdef, ops: ParallelOps, *, logprobs_mode: str = "raw_logpro
                 kv_caches, token_ids_RL)
 
     return jax.jit(step, donate_argnums=(1, 2), static_argnums=7)
+
+
+def step_logits(logits_fn: Callable[[jax.Array], jax.Array], hidden_TD: jax.Array,
+                logits_indices_S: jax.Array, features: tuple[StepFeature, ...] = ()
+                ) -> tuple[jax.Array | None, jax.Array]:
+    """-> (logits_TV or None, logits_SV): the LM head over the rows the step needs, once.
+
+    The sampler needs the S sampled rows. A feature that reads other rows' logits
+    (`StepFeature.reads_row_logits`: speculative verification, at the rows before each
+    sequence's last) would run the LM head a second time; in a bucket where S == T (every
+    bucket up to max_num_seqs) the LM head over all T rows costs what the S sampled rows'
+    does, so it runs once there and the sampled rows are a gather of it:
+
+        T == S, a feature reads rows:   logits_TV = head(hidden_TD)   logits_SV = its rows
+        otherwise:                      None                          head(hidden_TD[rows])
+
+    (The product has the same [S, D] x [D, V] shape either way, and a GEMM computes each
+    row alone, so the sampled rows' logits are the same either way.)"""
+    T, S = hidden_TD.shape[0], logits_indices_S.shape[0]
+    if T == S and any(f.reads_row_logits for f in features):
+        logits_TV = logits_fn(hidden_TD)
+        return logits_TV, logits_TV[logits_indices_S]
+    return None, logits_fn(hidden_TD[logits_indices_S])
 
 
 def with_slot_rows(md: AttentionMetadata, smd: SamplingMetadata, rows: dict[str, jax.Array],

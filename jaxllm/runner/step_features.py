@@ -59,6 +59,10 @@ class StepFeature:
     """Base: a feature that adds nothing anywhere. Subclasses override what they use."""
 
     name = "feature"
+    # Static: after_sampling reads the logits of packed rows other than the sampled ones
+    # (SampledStep.logits_TV; the step then computes them with the sampled rows' where that
+    # costs no more rows: runner/step.py step_logits).
+    reads_row_logits = False
 
     def slot_rows(self) -> dict[str, DeviceRows]:
         return {}

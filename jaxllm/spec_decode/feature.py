@@ -16,8 +16,12 @@ does (temperature, min-p, top-k, top-p) and runs `rejection_sample`:
           step; 0 when it joins, and the fill row for padding), sent as entries when it
           changes; `sampled_tokens` replaces the sampler's one token per row by the accepted
           run (the record is only kept for steps with drafts)
-  device  a `lax.cond` on "any row has drafts": a step without drafts computes nothing more
-  static  K = num_speculative_tokens: the verify logits are [S * K, V] in every bucket
+  device  a `lax.cond` on "any row has drafts": a step without drafts computes nothing more.
+          Greedy verification needs only the argmax at the verify rows: where T <= S x K
+          it is taken over the T packed rows' logits, which a bucket with T == S already
+          has from the sampler's LM head (runner/step.py step_logits: one LM head per
+          step); the [S * K, V] verify logits are built only where some row samples
+  static  K = num_speculative_tokens
 
 Rows that get drafts are only those the scheduler found eligible (spec_decode/scheduling.py:
 no penalties, bad words, allowed ids, logit bias or grammar), so the sampler's other logits
@@ -39,11 +43,13 @@ from jaxllm.runner.sampler import (_apply_min_p, apply_top_k_top_p, gather_logpr
                                    logprobs_lists, num_topk, zero_logprobs)
 from jaxllm.runner.step_features import StepFeature
 from jaxllm.sampling_params import SAMPLING_EPS
-from jaxllm.spec_decode.rejection import rejection_sample
+from jaxllm.kernels.cpu_argmax import argmax_first_here as argmax_first
+from jaxllm.spec_decode.rejection import verify_drafts
 
 
 class SpecDecodeFeature(StepFeature):
     name = "spec_decode"
+    reads_row_logits = True  # the verify rows (runner/step.py step_logits)
 
     def __init__(self, num_slots: int, num_speculative_tokens: int, vocab_size: int,
                  max_logprobs: int = 20):
@@ -87,33 +93,41 @@ class SpecDecodeFeature(StepFeature):
         def verify():
             rows_SK = jnp.clip(bm.logits_indices_S[:, None] - m_S[:, None]
                                + jnp.arange(K, dtype=jnp.int32)[None, :], 0, T - 1)
+            rows_R = rows_SK.reshape(-1)
             draft_SK = step.input_ids_T[jnp.minimum(rows_SK + 1, T - 1)]
-            # The LM head runs on the fewer of the T packed rows and the S x K verify rows
-            # (static per bucket): a small decode bucket has T < S x K.
-            if T < S * K:
-                logits_RV = step.logits_fn(step.hidden_TD)[rows_SK.reshape(-1)]
+            # The LM head runs once over the fewer of the T packed rows and the S x K verify
+            # rows (static per bucket: a small decode bucket has T < S x K), and not at all
+            # where the step already ran it over every row (step.logits_TV).
+            logits_TV = step.logits_TV
+            if logits_TV is None and T < S * K:
+                logits_TV = step.logits_fn(step.hidden_TD)
+            if logits_TV is not None:
+                # The argmax over the T rows, then gathered: fewer rows than S x K.
+                argmax_SK = argmax_first(logits_TV)[rows_R].reshape(S, K)
+                raw_RV = lambda: logits_TV[rows_R]  # noqa: E731  [S * K, V]
             else:
-                logits_RV = step.logits_fn(step.hidden_TD[rows_SK.reshape(-1)])  # [S * K, V]
+                logits_RV = step.logits_fn(step.hidden_TD[rows_R])  # [S * K, V]
+                argmax_SK = argmax_first(logits_RV).reshape(S, K)
+                raw_RV = lambda: logits_RV  # noqa: E731
             is_greedy_S = smd.temperature < SAMPLING_EPS
             rep = lambda x_S: jnp.repeat(x_S, K, axis=0)  # noqa: E731
 
-            def processed(logits_RV):
-                x_RV = logits_RV / rep(jnp.where(is_greedy_S, 1.0, smd.temperature))[:, None]
+            def processed_SKV():
+                """Traced only where some row samples (rejection.verify_drafts): greedy rows
+                verify against the raw argmax, so their rows here are never read."""
+                x_RV = raw_RV() / rep(jnp.where(is_greedy_S, 1.0, smd.temperature))[:, None]
                 x_RV = _apply_min_p(x_RV, rep(smd.min_p))
-                x_RV = apply_top_k_top_p(x_RV, rep(smd.top_k), rep(smd.top_p))
-                # Greedy rows compare against the unprocessed argmax, as the sampler's.
-                return jnp.where(rep(is_greedy_S)[:, None], logits_RV, x_RV)
+                return apply_top_k_top_p(x_RV, rep(smd.top_k), rep(smd.top_p)).reshape(S, K, -1)
 
-            x_RV = jax.lax.cond(jnp.all(is_greedy_S), lambda x: x, processed, logits_RV)
-            tokens_SP, num_S = rejection_sample(x_RV.reshape(S, K, -1), draft_SK, m_S,
-                                                step.sampled_S, is_greedy_S, smd.seeds,
-                                                smd.steps - m_S)
+            tokens_SP, num_S = verify_drafts(argmax_SK, processed_SKV, draft_SK, m_S,
+                                             step.sampled_S, is_greedy_S, smd.seeds,
+                                             smd.steps - m_S)
             # Raw logprobs of the token emitted at each verify row (the bonus row's are the
             # sampler's own).
             emitted_R = tokens_SP[:, :K].reshape(-1)
             logprobs = jax.lax.cond(
                 jnp.any(smd.num_logprobs >= 0),
-                lambda: gather_logprobs(jax.nn.log_softmax(logits_RV, axis=-1), emitted_R,
+                lambda: gather_logprobs(jax.nn.log_softmax(raw_RV(), axis=-1), emitted_R,
                                         topk),
                 lambda: zero_logprobs(emitted_R, topk))
             return tokens_SP, num_S, logprobs

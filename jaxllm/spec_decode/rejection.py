@@ -26,6 +26,8 @@ the token at j. The ordinary sampler folds no tag, so the streams never coincide
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -67,12 +69,28 @@ def rejection_sample(target_logits_SKV: jax.Array, draft_SK: jax.Array, num_draf
     first_step_S the output index of draft 0. draft_probs_SKV: the proposer's q (None: point
     masses, n-gram). -> (tokens_SP [S, K + 1] int32, num_S [S] int32)."""
     S, K, V = target_logits_SKV.shape
+    argmax_SK = argmax_first(target_logits_SKV.reshape(S * K, V).astype(jnp.float32))
+    return verify_drafts(argmax_SK.reshape(S, K), lambda: target_logits_SKV, draft_SK,
+                         num_drafts_S, bonus_S, is_greedy_S, seeds_S2, first_step_S,
+                         draft_probs_SKV)
+
+
+def verify_drafts(target_argmax_SK: jax.Array, target_logits_fn: Callable[[], jax.Array],
+                  draft_SK: jax.Array, num_drafts_S: jax.Array, bonus_S: jax.Array,
+                  is_greedy_S: jax.Array, seeds_S2: jax.Array, first_step_S: jax.Array,
+                  draft_probs_SKV: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`rejection_sample` with the greedy rows' target argmax_SK given, and the processed
+    target logits [S, K, V] as a function that is only traced where some row samples (a
+    greedy batch never builds them: the caller may take the argmax over fewer rows, or
+    over rows it already has)."""
+    S, K = draft_SK.shape
     valid_SK = jnp.arange(K)[None, :] < num_drafts_S[:, None]
     steps_SK = first_step_S[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]
-    flat_RV = target_logits_SKV.reshape(S * K, V).astype(jnp.float32)
-    target_argmax_SK = argmax_first(flat_RV).reshape(S, K)
+    target_argmax_SK = target_argmax_SK.astype(jnp.int32)
 
     def random_rows():
+        target_logits_SKV = target_logits_fn()
+        V = target_logits_SKV.shape[-1]
         probs_SKV = jax.nn.softmax(target_logits_SKV.astype(jnp.float32), axis=-1)
         p_draft_SK = jnp.take_along_axis(probs_SKV, draft_SK[:, :, None], axis=-1)[:, :, 0]
         if draft_probs_SKV is None:
