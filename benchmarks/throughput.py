@@ -124,7 +124,8 @@ def run_here(args, peer: str, work: dict) -> dict:
             times, tokens = run_jaxllm(args, prompts, outs,
                                        "auto" if peer == "jaxllm-auto" else "float32")
         elif peer.startswith("hf"):
-            dtype, batch = ("float32", 8) if peer == "hf-f32" else ("bfloat16", 64)
+            dtype, batch = (("float32", 8) if peer == "hf-f32"
+                            else ("bfloat16", args.hf_bf16_batch_size))
             times, tokens = run_hf(prompts, outs, work["hf_path"], dtype, batch,
                                    repeats=args.hf_repeats)
         else:
@@ -204,6 +205,9 @@ def main():
                    help="untimed runs of the whole workload before jaxllm's and vLLM's "
                         "timed ones (a first run is 20-40%% slower for both)")
     p.add_argument("--hf-repeats", type=int, default=3, help="runs of HF and llama.cpp")
+    p.add_argument("--hf-bf16-batch-size", type=int, default=64,
+                   help="HF bf16's static batch (64: its best for SmolLM2 on the 2-core "
+                        "EPYC; a large vocabulary, e.g. Gemma 3's 262k, may do better at 16)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="jaxllm's (vLLM keeps its own CPU default)")
