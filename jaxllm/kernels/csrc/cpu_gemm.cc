@@ -522,6 +522,25 @@ double PeakGflops(bool bf16, int threads, double seconds) {
 #endif
 }
 
+// The dtypes of x and the weight (the same: bf16 or f32) -> *in, and of y (bf16 or f32) ->
+// *out_bf16; both FFI handlers take their operands' types this way.
+ffi::Error ReadDtypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                      const ffi::AnyBuffer& y, Elem* in, bool* out_bf16) {
+  const ffi::DataType xt = x.element_type(), wt = w.element_type(), yt = y.element_type();
+  if (xt != wt) return ffi::Error::InvalidArgument("x and the weight differ in dtype");
+  if (xt == ffi::DataType::BF16) {
+    *in = Elem::kBF16;
+  } else if (xt != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("x must be bf16 or f32");
+  }
+  if (yt == ffi::DataType::BF16) {
+    *out_bf16 = true;
+  } else if (yt != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("y must be bf16 or f32");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error Gemm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || wd.size() != 3) {
@@ -530,18 +549,7 @@ ffi::Error Gemm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> 
   Problem p{static_cast<int>(xd[0]), static_cast<int>(xd[1]), static_cast<int>(yd[1]),
             Elem::kF32, false, x.untyped_data(), w.untyped_data(), y->untyped_data()};
   if (yd[0] != p.M) return ffi::Error::InvalidArgument("x and y have different row counts");
-  const ffi::DataType xt = x.element_type(), wt = w.element_type(), yt = y->element_type();
-  if (xt != wt) return ffi::Error::InvalidArgument("x and the packed weight differ in dtype");
-  if (xt == ffi::DataType::BF16) {
-    p.in = Elem::kBF16;
-  } else if (xt != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("x must be bf16 or f32");
-  }
-  if (yt == ffi::DataType::BF16) {
-    p.out_bf16 = true;
-  } else if (yt != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("y must be bf16 or f32");
-  }
+  if (ffi::Error e = ReadDtypes(x, w, *y, &p.in, &p.out_bf16); e.failure()) return e;
   const long P = (p.N + kPanelCols - 1) / kPanelCols;
   const bool packed_ok = p.in == Elem::kBF16
       ? wd[0] == P && wd[1] == (p.K + 1) / 2 && wd[2] == 2 * kPanelCols
@@ -575,18 +583,7 @@ ffi::Error GroupedGemm(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer group_
     return ffi::Error::InvalidArgument("group_end must be int32");
   }
   p.group_end = static_cast<const int32_t*>(group_end.untyped_data());
-  const ffi::DataType xt = x.element_type(), wt = w.element_type(), yt = y->element_type();
-  if (xt != wt) return ffi::Error::InvalidArgument("x and w differ in dtype");
-  if (xt == ffi::DataType::BF16) {
-    p.in = Elem::kBF16;
-  } else if (xt != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("x must be bf16 or f32");
-  }
-  if (yt == ffi::DataType::BF16) {
-    p.out_bf16 = true;
-  } else if (yt != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("y must be bf16 or f32");
-  }
+  if (ffi::Error e = ReadDtypes(x, w, *y, &p.in, &p.out_bf16); e.failure()) return e;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   if (p.K == 0 || p.E == 0) {  // an empty sum: zeros
     std::memset(p.y, 0, static_cast<long>(p.M) * p.N * (p.out_bf16 ? 2 : 4));
