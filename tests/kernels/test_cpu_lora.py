@@ -175,3 +175,22 @@ def test_the_xla_switch_agrees_with_the_kernel(m):
     got = jax.jit(xla_apply, static_argnums=(5, 6))(x, y, A, B, m, 1, 4)
     want = jax.jit(cpu_apply, static_argnums=(5, 6))(x, y, A, B, m, 1, 4)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_rounding_is_nearest_even_bit_for_bit():
+    """Products and sums exact in f32 (dyadic values of few bits), so only the one rounding
+    of y + delta to bf16 is left: it must be numpy's (ml_dtypes') round to nearest even,
+    ties included, NaN kept NaN, for every lane of a 37-wide row (the masked tail too)."""
+    T, N = 3, 37
+    x = np.ones((T, 1), np.float32)
+    A = np.ones((2, 1, 1, 1), np.float32)
+    B = np.zeros((2, 1, 1, N), np.float32)
+    B[0, 0, 0] = (np.arange(N) - 18) * 2.0 ** -9  # below bf16's 8 bits at |y| ~ 1: ties too
+    y = (1 + np.arange(T * N).reshape(T, N) % 5 * 2.0 ** -7).astype(ml_dtypes.bfloat16)
+    y[2, 4] = np.nan
+    m = np.array([0, 1, 0], np.int32)  # row 1: the fill slot, no adapter
+    got = np.asarray(cpu_lora.lora_apply(x, y, A, B, m, 0, 1))
+    want = y.copy()
+    exact = y.astype(np.float32)[[0, 2]] + B[0, 0, 0]
+    want[[0, 2]] = exact.astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
