@@ -7,7 +7,8 @@ Owns: its library (opened through native_library.py), built from kernels/csrc/cp
 `availability(dtype)` says whether the kernel can run here for tables of that dtype, and why
 not; `warn_unavailable` says it once. Must never: be used under tensor parallelism (an FFI
 call is opaque to the SPMD partitioner: lora/feature.py keeps XLA there) or on a platform
-other than cpu; run on a CPU without AVX-512F (the library is compiled with -march=native).
+other than cpu; run on a CPU without AVX-512F, or without AVX512-BF16 when it was built with it (the
+library is compiled with -march=native; bf16 tables multiply in pairs by vdpbf16ps).
 
     x [T, K]   y [T, N]   A [S, L, K, R]   B [S, L, R, N]   m [T] int32
 
@@ -65,6 +66,9 @@ def availability(dtype) -> Availability:
     if lib and not lib.lib.JaxllmCpuLoraIsa() & 1:
         return Availability(None, "the library was built on a CPU without AVX512F (it is "
                                   "compiled with -march=native: rebuild it here)")
+    if lib and lib.lib.JaxllmCpuLoraIsa() & 2 and "avx512_bf16" not in cpu_flags():
+        return Availability(None, "the library was built with AVX512-BF16, which this CPU "
+                                  "lacks (it is compiled with -march=native: rebuild it here)")
     return lib
 
 

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -83,7 +84,7 @@ inline void StoreRow(__m512 v, Bf16* p, __mmask16 m) {
 //   xa[j, r] = round(sum_k x[j, k] A[k, r])            A [K, R]
 //   y[j, n]  = round(y[j, n] + sum_r xa[j, r] B[r, n])  B [R, N]
 template <int NT, typename W, typename Y>
-void Block(const W* x, Y* y, const W* A, const W* B, const int32_t* rows, long K, long R,
+void BlockFma(const W* x, Y* y, const W* A, const W* B, const int32_t* rows, long K, long R,
            long N) {
   thread_local std::vector<float> buffer;
   if (static_cast<long>(buffer.size()) < NT * (R + K)) buffer.resize(NT * (R + K));
@@ -144,6 +145,94 @@ void Block(const W* x, Y* y, const W* A, const W* B, const int32_t* rows, long K
     }
   }
 #endif
+}
+
+#if defined(__AVX512BF16__)
+// Rows r0 and r1 (16 bf16 each, masked; r1 null: zeros) interleaved into the pairs
+// vdpbf16ps multiplies: word 2i = r0[i], word 2i + 1 = r1[i].
+inline __m512i Pairs(const Bf16* r0, const Bf16* r1, __mmask16 m) {
+  const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                       40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
+                                       1, 32, 0);
+  const __m512i a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(m, r0));
+  const __m512i b = r1 ? _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(m, r1))
+                       : _mm512_setzero_si512();
+  return _mm512_permutex2var_epi16(a, idx, b);
+}
+
+// Elements 2p and 2p + 1 of a bf16 row of length n as one 32-bit word (the second 0 past n).
+inline int32_t PairBits(const Bf16* row, long p, long n) {
+  uint32_t lo = row[2 * p].bits, hi = 2 * p + 1 < n ? row[2 * p + 1].bits : 0;
+  return static_cast<int32_t>(lo | hi << 16);
+}
+
+// BlockFma's contract for bf16 tables, two products per instruction (AVX512-BF16's
+// vdpbf16ps, f32 sums, as the dense GEMM's bf16 kernel): pairs of k in the shrink, pairs
+// of ranks in the expand (xa is a bf16 value by then, so its pairs are exact).
+template <int NT, typename Y>
+void BlockBf16(const Bf16* x, Y* y, const Bf16* A, const Bf16* B, const int32_t* rows, long K,
+               long R, long N) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<long>(buffer.size()) < NT * R) buffer.resize(NT * R);
+  float* xa = buffer.data();  // [NT, R]
+  const long RP = (R + 1) / 2;
+  for (long c = 0; c < R; c += 16) {
+    const __mmask16 m = Live(R - c);
+    __m512 acc[NT];
+    for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();
+    for (long p = 0; p < K / 2; ++p) {  // whole pairs: x's two bf16 read as one word
+      const __m512bh a = (__m512bh)Pairs(A + 2 * p * R + c, A + (2 * p + 1) * R + c, m);
+      for (int j = 0; j < NT; ++j) {
+        int32_t bits;
+        std::memcpy(&bits, x + rows[j] * K + 2 * p, 4);
+        acc[j] = _mm512_dpbf16_ps(acc[j], a, (__m512bh)_mm512_set1_epi32(bits));
+      }
+    }
+    if (K % 2) {  // the last k alone, paired with zeros
+      const __m512bh a = (__m512bh)Pairs(A + (K - 1) * R + c, nullptr, m);
+      for (int j = 0; j < NT; ++j) {
+        const __m512bh xp = (__m512bh)_mm512_set1_epi32(PairBits(x + rows[j] * K, K / 2, K));
+        acc[j] = _mm512_dpbf16_ps(acc[j], a, xp);
+      }
+    }
+    for (int j = 0; j < NT; ++j) _mm512_mask_storeu_ps(xa + j * R + c, m, acc[j]);
+  }
+  std::vector<int32_t> xab(NT * RP);  // xa rounded to bf16, in pairs of ranks
+  for (int j = 0; j < NT; ++j) {
+    for (long p = 0; p < RP; ++p) {
+      uint32_t lo = F32ToBf16(xa[j * R + 2 * p]);
+      uint32_t hi = 2 * p + 1 < R ? F32ToBf16(xa[j * R + 2 * p + 1]) : 0;
+      xab[j * RP + p] = static_cast<int32_t>(lo | hi << 16);
+    }
+  }
+  for (long n = 0; n < N; n += 16) {
+    const __mmask16 m = Live(N - n);
+    __m512 acc[NT];
+    for (int j = 0; j < NT; ++j) acc[j] = _mm512_setzero_ps();
+    for (long p = 0; p < RP; ++p) {
+      const __m512bh b = (__m512bh)Pairs(B + 2 * p * N + n,
+                                          2 * p + 1 < R ? B + (2 * p + 1) * N + n : nullptr, m);
+      for (int j = 0; j < NT; ++j) {
+        acc[j] = _mm512_dpbf16_ps(acc[j], b, (__m512bh)_mm512_set1_epi32(xab[j * RP + p]));
+      }
+    }
+    for (int j = 0; j < NT; ++j) {
+      Y* out = y + rows[j] * N + n;
+      StoreRow(_mm512_add_ps(Load(out, m), acc[j]), out, m);
+    }
+  }
+}
+#endif
+
+template <int NT, typename W, typename Y>
+void Block(const W* x, Y* y, const W* A, const W* B, const int32_t* rows, long K, long R,
+           long N) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<W, Bf16>::value) {
+    return BlockBf16<NT>(x, y, A, B, rows, K, R, N);
+  }
+#endif
+  BlockFma<NT>(x, y, A, B, rows, K, R, N);
 }
 
 template <typename W, typename Y>
@@ -252,13 +341,17 @@ extern "C" {
 
 __attribute__((visibility("default"))) XLA_FFI_Error* JaxllmCpuLora(XLA_FFI_CallFrame* frame);
 
-// Which instructions the library was compiled with: 1 AVX512F (0: the portable loops).
+// Which instructions the library was compiled with: bit 1 AVX512F, bit 2 AVX512-BF16 (0:
+// the portable loops).
 __attribute__((visibility("default"))) int JaxllmCpuLoraIsa() {
+  int isa = 0;
 #if defined(__AVX512F__)
-  return 1;
-#else
-  return 0;
+  isa |= 1;
 #endif
+#if defined(__AVX512BF16__)
+  isa |= 2;
+#endif
+  return isa;
 }
 
 }  // extern "C"
