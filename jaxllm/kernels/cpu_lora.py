@@ -20,9 +20,12 @@ summed in float32; the shrink x @ A is rounded to w (as peft's module does in bf
 delta is added to y in float32 and rounded once to y's dtype. y' reuses y's buffer where XLA
 can alias it.
 
-Why: in XLA:CPU the rank-16 shrink and expand ran at ~45 GFLOP/s, and around them every
-projection paid a lax.switch, a gather of its slot's tables and a one-hot mask: one
-adapter cost 0.79x base throughput on SmolLM2 (benchmarks/lora.py).
+Why: in XLA:CPU every projection paid a lax.switch (about 0.15 ms each even when no token
+has an adapter: 31 ms of a 64-row decode step's 210 projections, benchmarks/lora_project.py),
+and around the rank-16 dots a gather of its slot's tables and a one-hot mask. On SmolLM2
+(benchmarks/lora.py) one adapter went from 0.79x base throughput to 0.97x, 4 mixed from
+0.77x to 0.88x, 16 swapping through 4 slots from 0.41x to 0.78x (its scheduling-only
+ceiling: 0.81x).
 """
 
 from __future__ import annotations
@@ -76,9 +79,9 @@ def availability(dtype) -> Availability:
 def warn_unavailable(dtype) -> None:
     """Says once why LoRA on cpu runs in XLA instead of the kernel."""
     warnings.warn(f"the CPU LoRA kernel is unavailable ({availability(dtype).reason}); LoRA "
-                  f"runs in XLA (a switch and two skinny dots per projection: about 0.8x "
-                  f"base throughput with one adapter on SmolLM2, against ~0.9x)", RuntimeWarning,
-                  stacklevel=3)
+                  f"runs in XLA (a switch and two skinny dots per projection: one adapter on "
+                  f"SmolLM2 ran at 0.79x base throughput so, 0.97x with the kernel)",
+                  RuntimeWarning, stacklevel=3)
 
 
 @functools.cache
