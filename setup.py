@@ -54,7 +54,8 @@ def extensions() -> list[Extension]:
         optional=True,
     ) for name, headers in (("cpu_attention", ("simd.h", "thread_pool.h")),
                             ("cpu_gemm", ("thread_pool.h",)),
-                            ("cpu_argmax", ("thread_pool.h",)))]
+                            ("cpu_argmax", ("thread_pool.h",)),
+                            ("cpu_lora", ("simd.h", "thread_pool.h")))]
 
 
 setup(ext_modules=extensions())

@@ -6,6 +6,12 @@ process, and the time to load an adapter.
     4 mixed    4 adapters, round robin over the requests (max_loras=4: all fit a step)
     16 swap    16 adapters, round robin, max_loras=4: adapters wait for a slot and are
                written into the device slots while serving (swapping)
+    16 sched   the 16 swap workload on the base engine, its scheduler held to the same
+               max_loras=4 rule (the adapters are never applied: no LoRA compute, no slot
+               writes): the ceiling of 16 swap under the scheduling constraint alone
+
+In 16 swap the time spent writing adapters into device slots (lora/feature.py `_write`, on
+the host between steps) is measured too: its share of the run is the swap cost.
 
 Adapters are random PEFT-format directories (rank --rank, every target module q/k/v/o/
 gate/up/down, B != 0) written for the model's shapes; nothing is downloaded. Both engines
@@ -63,6 +69,44 @@ def write_adapter(path: str, cfg, rank: int, seed: int) -> str:
     return path
 
 
+class WriteTimer:
+    """Wraps the LoRA feature's slot writes: how many, and the seconds they took."""
+
+    def __init__(self, feature):
+        self.count, self.seconds, write = 0, 0.0, feature._write
+
+        def timed(slot, model):
+            t0 = time.perf_counter()
+            write(slot, model)
+            self.count += 1
+            self.seconds += time.perf_counter() - t0
+        feature._write = timed
+
+    def reset(self):
+        self.count, self.seconds = 0, 0.0
+
+
+class SchedulingOnly:
+    """The base engine as `engine`, its scheduler under the LoRA engine's max_loras rule
+    while a run lasts (its requests carry adapters the base runner never applies)."""
+
+    def __init__(self, base, max_loras: int):
+        self.base, self.max_loras = base, max_loras
+
+    def generate(self, *args, **kwargs):
+        engine = self.base.llm_engine
+        engine.scheduler.max_loras = self.max_loras
+        engine.lora_manager.check = lambda params: None  # an instance attribute, removed below
+        try:
+            return self.base.generate(*args, **kwargs)
+        finally:
+            engine.scheduler.max_loras = None
+            del engine.lora_manager.check
+
+    def reset_prefix_cache(self):
+        self.base.reset_prefix_cache()
+
+
 def timed_run(llm, prompts, params, loras) -> float:
     """Output tok/s of one run."""
     batch = [{"prompt_token_ids": p} for p in prompts]
@@ -113,13 +157,21 @@ def main():
     modes = {"base": (base, None),
              "1 adapter": (llm, [loras[0]] * args.n),
              "4 mixed": (llm, [loras[i % 4] for i in range(args.n)]),
-             "16 swap": (llm, [loras[i % 16] for i in range(args.n)])}
+             "16 swap": (llm, [loras[i % 16] for i in range(args.n)]),
+             "16 sched": (SchedulingOnly(base, 4), [loras[i % 16] for i in range(args.n)])}
+    writes = WriteTimer(manager.feature)
     for engine, mode in modes.values():  # untimed: compiles and first loads
         timed_run(engine, prompts, params, mode)
     results = {name: [] for name in modes}
+    swap_share, swap_writes = [], []
     for _ in range(args.repeats):
         for name, (engine, mode) in modes.items():
+            writes.reset()
+            t0 = time.perf_counter()
             results[name].append(timed_run(engine, prompts, params, mode))
+            if name == "16 swap":
+                swap_share.append(writes.seconds / (time.perf_counter() - t0))
+                swap_writes.append(writes.count)
 
     ref = statistics.median(results["base"])
     print(f"\n{args.n} requests, input {args.input_len}, output {args.output_len}, "
@@ -128,7 +180,10 @@ def main():
     for name, rates in results.items():
         med = statistics.median(rates)
         print(f"{name:<12}{med:>12.1f}{med / ref:>10.2f}")
+    print(f"16 swap: {statistics.median(swap_writes)} slot writes a run, "
+          f"{100 * statistics.median(swap_share):.1f}% of its time (median)")
     print(f"adapter load (read + check, host): {load_ms:.1f} ms mean over 16")
+    print(f"load average {open('/proc/loadavg').read().strip()}")
 
 
 if __name__ == "__main__":

@@ -161,7 +161,8 @@ class LLMEngine:
                                                            head_dim=mcfg.head_dim))
 
         # LoRA adapters (jaxllm/lora/manager.py): its step feature, or nothing when disabled.
-        self.lora_manager = make_lora_manager(config, model, config.max_num_seqs, dtype)
+        self.lora_manager = make_lora_manager(config, model, config.max_num_seqs, dtype,
+                                              single_device=placement.mesh.size == 1)
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.
         buckets = BucketConfig.create(config.max_num_batched_tokens, config.max_num_seqs,

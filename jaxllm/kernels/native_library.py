@@ -4,8 +4,8 @@ Owns `Availability` (an opened library, or the reason there is none) and the two
 kernel module takes: `find(stem)`, the built file `<stem><extension suffix>` next to
 kernels/, and `open_library(stem, path, handler)`, which opens it with ctypes and checks that
 it exports its XLA FFI handler. Must never register FFI targets, cache, warn, or decide
-whether a kernel runs: each kernel module (cpu_attention.py, cpu_gemm.py, cpu_argmax.py) does
-that with its own reason.
+whether a kernel runs: each kernel module (cpu_attention.py, cpu_gemm.py, cpu_argmax.py,
+cpu_lora.py) does that with its own reason.
 """
 
 from __future__ import annotations

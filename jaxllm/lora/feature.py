@@ -12,17 +12,10 @@ table (runner/device_rows.py), so writing an adapter into a slot never recompile
     lora.index [S_max + 1] int32   per batch slot: its request's adapter slot (M: none)
 
 At layer l's projection t, for the T packed rows (slot_T their batch slots), m_T =
-index[slot_T] the adapter slot of each token, one of three branches (a `lax.switch` on m_T):
-
-    no token has an adapter:   y_TN unchanged
-    one adapter s (and base):  xa_TR = (x_TK @ A[s, l]) * (m_T == s)          rank R only
-                               y_TN += xa_TR @ B[s, l]
-    several adapters:          xa_TX = (x_TK @ A[:M, l] as [K, M*R]) * onehot(m_T)   X = M*R
-                               y_TN += xa_TX @ B[:M, l] as [M*R, N]
-                               two skinny GEMMs: the shrink against every slot at once,
-                               each token keeping its own slot's R columns
-
-in the tables' dtype, products accumulated in f32 (xa rounded to the dtype, as peft does).
+index[slot_T] the adapter slot of each token, y_TN += (x_TK @ A[m_T, l]) @ B[m_T, l] for the
+tokens with an adapter, in the tables' dtype, products accumulated in f32 (xa rounded to the
+dtype, as peft does): on cpu without tensor parallelism by the C++ kernel, else by a
+lax.switch of XLA dots (lora/apply.py, chosen once).
 Which adapter sits in which slot is host state here: a slot is taken when a request with an
 adapter not resident joins the batch (its tables' rows written whole: one upload each),
 freed (kept resident, evicted least recently used first) when its last request leaves. The scheduler (jaxllm/lora/scheduling.py) keeps the distinct adapters
@@ -33,12 +26,11 @@ from __future__ import annotations
 
 import collections
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxllm.lora.apply import choose_apply
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.peft import TARGET_MODULES, LoRACache, LoRAModel, Projection
 from jaxllm.lora.request import lora_request_of
@@ -63,8 +55,11 @@ def model_projections(model) -> dict[str, Projection]:
 class LoRAFeature(StepFeature):
     name = "lora"
 
-    def __init__(self, config: LoRAConfig, cache: LoRACache, num_slots: int, dtype):
+    def __init__(self, config: LoRAConfig, cache: LoRACache, num_slots: int, dtype,
+                 single_device: bool = False):
+        """single_device: no tensor parallelism (the C++ kernel may run, lora/apply.py)."""
         self.config, self.cache = config, cache
+        self.apply = choose_apply(dtype, single_device)
         M, R = config.max_loras, config.max_lora_rank
         self.num_lora_slots = M
         shapes: dict[str, tuple[int, int]] = {}
@@ -161,34 +156,6 @@ class LoRAFeature(StepFeature):
     def project(self, name, layer, x_TK, y_TN, hooks):
         if name not in self.tables or layer is None:
             return y_TN
-        M = self.num_lora_slots
-        A_MKR = hooks.rows[f"lora.{name}.A"][:, layer]
-        B_MRN = hooks.rows[f"lora.{name}.B"][:, layer]
         m_T = hooks.rows["lora.index"][hooks.slot_T]
-        x_TK = x_TK.astype(A_MKR.dtype)
-        first = jnp.min(m_T)  # M: no token has an adapter
-        alone = jnp.all((m_T == first) | (m_T == M))
-
-        def add(d_TN):
-            return (y_TN.astype(jnp.float32) + d_TN).astype(y_TN.dtype)
-
-        def one_adapter():  # every token with an adapter has adapter slot `first`
-            A_KR = jax.lax.dynamic_index_in_dim(A_MKR, first, 0, keepdims=False)
-            B_RN = jax.lax.dynamic_index_in_dim(B_MRN, first, 0, keepdims=False)
-            xa_TR = _dot(x_TK, A_KR).astype(A_KR.dtype) * (m_T == first)[:, None].astype(
-                A_KR.dtype)
-            return add(_dot(xa_TR, B_RN))
-
-        def several():  # shrink against every slot at once, keep each token's own R columns
-            _, K, R = A_MKR.shape
-            A_KX = A_MKR[:M].transpose(1, 0, 2).reshape(K, M * R)
-            B_XN = B_MRN[:M].reshape(M * R, -1)
-            mask_TX = jnp.repeat(jax.nn.one_hot(m_T, M, dtype=A_KX.dtype), R, axis=1)
-            return add(_dot(_dot(x_TK, A_KX).astype(A_KX.dtype) * mask_TX, B_XN))
-
-        branch = jnp.where(first == M, 0, jnp.where(alone, 1, 2))
-        return jax.lax.switch(branch, (lambda: y_TN, one_adapter, several))
-
-
-def _dot(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+        return self.apply(x_TK, y_TN, hooks.rows[f"lora.{name}.A"],
+                          hooks.rows[f"lora.{name}.B"], m_T, layer, self.num_lora_slots)

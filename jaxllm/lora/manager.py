@@ -52,13 +52,14 @@ class NoLoRA:
 
 
 class LoRAManager(NoLoRA):
-    def __init__(self, config: LoRAConfig, model, num_slots: int, model_dtype):
+    def __init__(self, config: LoRAConfig, model, num_slots: int, model_dtype,
+                 single_device: bool = False):
         self.config = config
         self.max_loras = config.max_loras
         dtype = model_dtype if config.lora_dtype == "auto" else DTYPES[config.lora_dtype]
         self.cache = LoRACache(model_projections(model), config.max_lora_rank,
                                config.max_cpu_loras)
-        self.feature = LoRAFeature(config, self.cache, num_slots, dtype)
+        self.feature = LoRAFeature(config, self.cache, num_slots, dtype, single_device)
         self.features = (self.feature,)
         self._registered: dict[str, LoRARequest] = {}  # the server's adapters, by name
         self._lock = threading.Lock()
@@ -112,11 +113,13 @@ class LoRAManager(NoLoRA):
         return max((lr.lora_int_id for lr in self._registered.values()), default=0) + 1
 
 
-def make_lora_manager(engine_config, model, num_slots: int, model_dtype) -> NoLoRA:
+def make_lora_manager(engine_config, model, num_slots: int, model_dtype,
+                      single_device: bool = False) -> NoLoRA:
+    """single_device: the model is not split over a mesh (tensor parallelism)."""
     config = lora_config_of(engine_config)
     if config is None:
         return NoLoRA()
-    return LoRAManager(config, model, num_slots, model_dtype)
+    return LoRAManager(config, model, num_slots, model_dtype, single_device)
 
 
 def apply_lora_requests(params: Sequence, lora_request) -> list:

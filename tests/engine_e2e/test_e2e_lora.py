@@ -104,6 +104,20 @@ def test_qwen2_adapter_matches_hf_peft(qwen2, name="all8"):
     assert worst < 1e-4
 
 
+def test_one_cpu_device_runs_the_cpu_kernel(llama):
+    """The parity and mixed-batch tests here check the C++ kernel (lora/apply.py) wherever it
+    can run; tests/parallel/test_tp_lora.py checks the XLA way under tensor parallelism."""
+    import jax
+
+    from jaxllm.kernels import cpu_lora
+    from jaxllm.lora.apply import cpu_apply
+    feature = llama.llm.llm_engine.lora_manager.feature
+    table_dtype = next(iter(feature.tables.values()))[0].dtype
+    if jax.default_backend() != "cpu" or not cpu_lora.availability(table_dtype):
+        pytest.skip("the C++ LoRA kernel runs on an AVX-512 cpu platform")
+    assert feature.apply is cpu_apply
+
+
 def test_base_model_is_unchanged(llama):
     out = llama.llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy(6), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(llama.hf, PROMPTS[0], 6)
