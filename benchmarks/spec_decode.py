@@ -17,7 +17,9 @@ n-gram speculation turns async scheduling off) run the workload after one untime
 the same workload, then --repeats timed passes each, alternately; times are medians.
 Reported per row: output tok/s of each engine and
 their ratio, acceptance rate (accepted / drafted tokens), mean acceptance length (tokens per
-verified run, the bonus included: vLLM's definition), at batch 1 the inter-token latency
+verified run, the bonus included: vLLM's definition), the proposer's hit rate (the share of
+a row's decode steps that verified drafts: prompt lookup found a match, approximately, as a
+run cut by EOS or max_tokens counts as whole), at batch 1 the inter-token latency
 (wall time per output token), and the compiles that happened while timing (0 unless
 --enforce-eager met a new bucket). Greedy outputs are compared (they must be identical).
 
@@ -171,12 +173,16 @@ def main() -> None:
             drafts, drafted, accepted = (a - b for a, b in zip(spec_counts(on), before))
             steps_off = on.llm_engine.scheduler.spec_decoding.num_steps_off
             tokens = sum(len(ids) for ids in ids_off)  # produced (EOS may end them early)
+            # Proposer calls in the timed passes: one per decode step of a row, each giving
+            # a verified run (drafts) or one plain token (its first token is the prefill's).
+            plain = args.repeats * (tokens - n) - drafts - accepted
             row = dict(workload=workload, batch=batch, requests=n, tokens=tokens,
                        ignore_eos=ignore_eos, load=open("/proc/loadavg").read().split()[0],
                        tok_s_off=round(tokens / t_off, 1), tok_s_on=round(tokens / t_on, 1),
                        speedup=round(t_off / t_on, 3),
                        acceptance_rate=round(accepted / drafted, 3) if drafted else 0.0,
                        mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else 1.0,
+                       drafts=drafts, proposer_hit_rate=round(drafts / max(drafts + plain, 1), 3),
                        greedy_identical=ids_off == ids_on, compiles_while_timed=compiles,
                        cost_model_steps_off_total=steps_off)
             if batch == 1:
