@@ -1,17 +1,25 @@
 """Speculative decoding (n-gram) against speculation off, in the same run (issue 23).
 
-Workloads:
-  repetitive  an editing task: "rewrite this text" over a fixed passage of code, greedy,
-              where the output repeats the prompt and prompt lookup finds its drafts;
-  peer        benchmarks/throughput.py's workload (random token ids, greedy, EOS ignored),
-              where it mostly finds none.
+Workloads (all greedy):
+  edit        an editing task: "fix the spelling mistakes in this text" over a passage with a
+              few letters swapped (a different set per request), where the output copies the
+              passage and prompt lookup finds its drafts. EOS is honoured, as a real edit
+              stops when it is done (--output-len only caps it): tokens/s counts the tokens
+              actually produced (the same in both engines, greedy outputs being identical);
+  repetitive  "rename the function and repeat the code exactly" over a passage of code, EOS
+              ignored: SmolLM2-135M rewrites the code instead and then wanders, so fewer
+              drafts come back (kept to compare with earlier figures);
+  peer        benchmarks/throughput.py's workload (random token ids, EOS ignored), where
+              prompt lookup mostly finds nothing.
 For each batch size (concurrent requests; default 1, 8, 64) both engines (the same model;
 "off" in its best configuration, async scheduling on; "on" with k drafts per step, where
 n-gram speculation turns async scheduling off) run the workload after one untimed pass of
 the same workload, then --repeats timed passes each, alternately; times are medians.
 Reported per row: output tok/s of each engine and
 their ratio, acceptance rate (accepted / drafted tokens), mean acceptance length (tokens per
-verified run, the bonus included: vLLM's definition), at batch 1 the inter-token latency
+verified run, the bonus included: vLLM's definition), the proposer's hit rate (the share of
+a row's decode steps that verified drafts: prompt lookup found a match, approximately, as a
+run cut by EOS or max_tokens counts as whole), at batch 1 the inter-token latency
 (wall time per output token), and the compiles that happened while timing (0 unless
 --enforce-eager met a new bucket). Greedy outputs are compared (they must be identical).
 
@@ -57,10 +65,42 @@ def repetitive_workload(tokenizer, n: int, output_len: int):
     return prompts, [output_len] * n
 
 
-def timed(llm, prompts, outs):
+TEXT = (
+    "The library opens every morning at nine and closes at six in the evening. Visitors can "
+    "borrow up to five books at a time, and each loan lasts three weeks. Books that are "
+    "returned late are charged a small fee for every day past the due date. The reading room "
+    "on the second floor is kept quiet at all times, and food is not allowed there. Children "
+    "under twelve must be accompanied by an adult after four in the afternoon. Computers are "
+    "available near the entrance for anyone who needs to search the catalogue or print a "
+    "document. Staff at the front desk are always happy to help with questions about the "
+    "collection, membership cards, or upcoming events.")
+
+
+def with_typos(text: str, i: int) -> str:
+    """text with two interior letters swapped in every 7th longer word (offset by i)."""
+    words = text.split(" ")
+    for j, w in enumerate(words):
+        if (j + i) % 7 == 0 and len(w) > 5 and w.isalpha():
+            words[j] = w[:2] + w[3] + w[2] + w[4:]
+    return " ".join(words)
+
+
+def edit_workload(tokenizer, n: int, output_len: int):
+    """n chat prompts asking to fix the typos of the passage (a different set each)."""
+    prompts = []
+    for i in range(n):
+        msg = [{"role": "user", "content": "Fix the spelling mistakes in this text and write "
+                f"out the corrected text:\n\n{with_typos(TEXT, i)}"}]
+        text = tokenizer.apply_chat_template(msg, tokenize=False, add_generation_prompt=True)
+        prompts.append(tokenizer(text)["input_ids"])
+    return prompts, [output_len] * n
+
+
+def timed(llm, prompts, outs, ignore_eos=True):
     from jaxllm import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=ignore_eos)
+              for m in outs]
     batch = [{"prompt_token_ids": p} for p in prompts]
     t0 = time.perf_counter()
     res = llm.generate(batch, params, use_tqdm=False)
@@ -82,7 +122,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per engine (median)")
-    p.add_argument("--workloads", nargs="+", default=("repetitive", "peer"))
+    p.add_argument("--workloads", nargs="+", default=("edit", "repetitive", "peer"),
+                   choices=("edit", "repetitive", "peer"))
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true",
@@ -106,21 +147,24 @@ def main() -> None:
     for workload in args.workloads:
         for batch in args.batch_sizes:
             n = args.num_requests or 2 * batch
-            if workload == "repetitive":
+            ignore_eos = workload != "edit"
+            if workload == "edit":
+                prompts, outs = edit_workload(tok, n, args.output_len)
+            elif workload == "repetitive":
                 prompts, outs = repetitive_workload(tok, n, args.output_len)
             else:
                 prompts, outs = make_workload(n, (16, 256), (args.output_len,) * 2,
                                               off.llm_engine.model_config.vocab_size, 0)
             for llm in (off, on):
                 llm.llm_engine.scheduler.max_num_seqs = batch  # the concurrency of this row
-                timed(llm, prompts, outs)  # the untimed warm-up pass (and lazy compiles)
+                timed(llm, prompts, outs, ignore_eos)  # untimed warm-up (and lazy compiles)
                 llm.reset_prefix_cache()
             compiles = [llm.llm_engine.runner.num_compiles for llm in (off, on)]
             before = spec_counts(on)
             runs_off, runs_on = [], []
             for _ in range(args.repeats):
                 for llm, runs in ((off, runs_off), (on, runs_on)):
-                    runs.append(timed(llm, prompts, outs))
+                    runs.append(timed(llm, prompts, outs, ignore_eos))
                     llm.reset_prefix_cache()
             t_off, ids_off = statistics.median(t for t, _ in runs_off), runs_off[0][1]
             t_on, ids_on = statistics.median(t for t, _ in runs_on), runs_on[0][1]
@@ -128,12 +172,17 @@ def main() -> None:
                         for llm, c in zip((off, on), compiles)]
             drafts, drafted, accepted = (a - b for a, b in zip(spec_counts(on), before))
             steps_off = on.llm_engine.scheduler.spec_decoding.num_steps_off
-            tokens = sum(outs)
+            tokens = sum(len(ids) for ids in ids_off)  # produced (EOS may end them early)
+            # Proposer calls in the timed passes: one per decode step of a row, each giving
+            # a verified run (drafts) or one plain token (its first token is the prefill's).
+            plain = args.repeats * (tokens - n) - drafts - accepted
             row = dict(workload=workload, batch=batch, requests=n, tokens=tokens,
+                       ignore_eos=ignore_eos, load=open("/proc/loadavg").read().split()[0],
                        tok_s_off=round(tokens / t_off, 1), tok_s_on=round(tokens / t_on, 1),
                        speedup=round(t_off / t_on, 3),
                        acceptance_rate=round(accepted / drafted, 3) if drafted else 0.0,
                        mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else 1.0,
+                       drafts=drafts, proposer_hit_rate=round(drafts / max(drafts + plain, 1), 3),
                        greedy_identical=ids_off == ids_on, compiles_while_timed=compiles,
                        cost_model_steps_off_total=steps_off)
             if batch == 1:

@@ -165,8 +165,11 @@ class LLMEngine:
                                               single_device=placement.mesh.size == 1)
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.
-        buckets = BucketConfig.create(config.max_num_batched_tokens, config.max_num_seqs,
-                                      max_blocks, bucket_widths=False)
+        # Speculation: a batch-1 verify step (1 + k rows) gets its own bucket.
+        spec = config.speculative_config
+        buckets = BucketConfig.create(
+            config.max_num_batched_tokens, config.max_num_seqs, max_blocks, bucket_widths=False,
+            extra_tokens=(1 + spec.num_speculative_tokens,) if spec is not None else ())
         # No KV cache yet (0 blocks): on an accelerator it is sized from a profile first.
         runner = ModelRunner(model, num_blocks=0, block_size=config.block_size,
                              kv_dtype=dtype, buckets=buckets, attention_backend=backend,

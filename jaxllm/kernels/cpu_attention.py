@@ -23,15 +23,22 @@ atomic counter. While more than 2 x threads items are left, a thread claims its 
 before running the current one, and in the current one's last key blocks prefetches the next
 one's first: a run of short decode rows keeps its loads in flight across rows (on a 2-core
 EPYC under load 8-11, 64 rows x 200 keys of bf16: 5-13% less time per call than a cold start
-per row, A/B interleaved). When the items are too few to keep every thread busy (batch-1 decode, one
-long prefill tile) a long item is split over its key blocks; each part leaves a partial
-softmax (max, sum, unnormalised output) and a merge step combines the parts:
+per row, A/B interleaved).
 
-    batch-1 decode, 1024 keys, 2 threads: 8 parts, each taken by whichever thread is free
-      [blocks 0..7] [8..15] [16..23] ... [56..63]
-           |           |       |             |
-           +-----------+-------+-------------+--> merge: m = max_i m_i,
-                 out = sum_i e^(m_i - m) o_i / sum_i e^(m_i - m) l_i
+A row's output has the same bits whatever the other rows of the call (a verify step's 5 rows
+of a sequence and a decode step's 1 row must agree, or greedy speculative decoding diverges):
+the keys are reduced over a fixed grid of 256-key chunks, each chunk's online softmax from a
+fresh state, and the chunks' partial softmaxes (max, sum, unnormalised output) folded in
+chunk order by one out-of-line function. When the items are too few to keep every thread
+busy (batch-1 decode, one long prefill tile) a long item is split over its chunks; each part
+leaves its chunks' partials in slots, and a merge step folds them as an unsplit item would:
+
+    batch-1 decode, 1024 keys, 2 threads: 4 parts, each taken by whichever thread is free
+      [chunk 0: keys 0..255] [chunk 1] [chunk 2] [chunk 3]
+           |                    |          |         |
+           +--------------------+----------+---------+--> fold in order: (m, l, o) with
+                 (m_c, l_c, o_c): m' = max(m, m_c), l' = l e^(m - m') + l_c e^(m_c - m'),
+                 o' likewise; out = o / l
 
 Inside an item, per key block and kv head, for each row the G query heads that share the kv
 head go together: 16 dot products each (bf16 rows multiplied in pairs by AVX512-BF16, f32 ones

@@ -24,6 +24,7 @@ from flax import nnx
 from jaxllm.models.base import AttentionMetadata
 from jaxllm.models.config import LongRopeScaling, ModelConfig, RopeScaling
 from jaxllm.models.hooks import NO_HOOKS, StepHooks
+from jaxllm.models.row_reduce import row_mean
 
 
 class RMSNorm(nnx.Module):
@@ -37,7 +38,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        var = row_mean(x32 * x32)  # not jnp.mean: its bits depend on the row count
         y = x32 * jax.lax.rsqrt(var + self.eps)
         if self.unit_offset:
             # Gemma (HF): the scale multiply in float32 too, and only then the cast.
@@ -56,8 +57,8 @@ class LayerNorm(nnx.Module):
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        mean = row_mean(x32)  # not jnp.mean: its bits depend on the row count
+        var = row_mean(jnp.square(x32 - mean))
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
         return (y * self.weight[...].astype(jnp.float32)
                 + self.bias[...].astype(jnp.float32)).astype(x.dtype)

@@ -5,7 +5,10 @@ outside `BucketConfig.all_shapes()`, so compiling those at start-up is all the c
 serving will ever do.
 
 Three padded sizes per step:
-  T  tokens             powers of two in [2, max_num_batched_tokens]. Batch-1 decode runs at
+  T  tokens             powers of two in [2, max_num_batched_tokens], and `extra_tokens` in
+                        that range (speculative decoding's 1 + k: a batch-1 verify step runs
+                        its 1 + k rows unpadded, not padded to the next power of two; the
+                        kernels give a row the same bits in any T). Batch-1 decode runs at
                         T = 2 (one padding row), never T = 1: with a single row XLA turns the
                         KV write (a scatter) into a dynamic-update-slice that it cannot do in
                         place next to the attention's reads, and copies every layer's whole
@@ -48,12 +51,15 @@ class BucketConfig:
 
     @classmethod
     def create(cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-               bucket_widths: bool, min_tokens: int = 2) -> "BucketConfig":
+               bucket_widths: bool, min_tokens: int = 2,
+               extra_tokens: tuple[int, ...] = ()) -> "BucketConfig":
         if min_tokens < 2:
             raise ValueError(f"min_tokens must be >= 2 (see the module docstring), got "
                              f"{min_tokens}")
         tokens = power_of_two_buckets(min(min_tokens, max_num_batched_tokens),
                                       max_num_batched_tokens)
+        tokens = tuple(sorted(set(tokens).union(
+            t for t in extra_tokens if tokens[0] <= t <= max_num_batched_tokens)))
         widths = (power_of_two_buckets(min(4, max_blocks_per_seq), max_blocks_per_seq, base=4)
                   if bucket_widths else (max_blocks_per_seq,))
         return cls(tokens, max_num_seqs, widths)

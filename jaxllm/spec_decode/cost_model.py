@@ -2,7 +2,8 @@
 disable_by_batch_size, with the threshold derived instead of configured).
 
 Owns the measured wall time of the engine's steps by token bucket (the median of each
-power-of-two bucket's recent steps: the runner's token buckets) and the per-step decision.
+bucket's recent steps: the runner's token buckets, powers of two and 1 + k) and the
+per-step decision.
 With B running rows, speculation emits on average L = 1 + accepted / drafts tokens per row
 (the engine's own acceptance so far) at the cost of a step over about B * (1 + m) tokens
 (m = drafts per verified row so far), against B tokens in a plain step:
@@ -25,17 +26,20 @@ WINDOW = 8  # a bucket's time is the median of its last WINDOW steps (a compile 
 PROBE_EVERY = 16  # while off, every PROBE_EVERY-th step speculates anyway, to keep measuring
 
 
-def token_bucket(num_tokens: int, max_tokens: int) -> int:
-    """The runner's bucket of a step of num_tokens (powers of two from 2, capped)."""
+def token_bucket(num_tokens: int, max_tokens: int, extra: tuple[int, ...] = ()) -> int:
+    """The runner's bucket of a step of num_tokens (powers of two from 2, capped, and the
+    `extra` ones: runner/buckets.py BucketConfig.create's extra_tokens)."""
     bucket = 2
     while bucket < num_tokens:
         bucket *= 2
-    return min(bucket, max_tokens)
+    return min([min(bucket, max_tokens)] +
+               [e for e in extra if max(num_tokens, 2) <= e <= max_tokens])
 
 
 class StepCostModel:
-    def __init__(self, max_num_batched_tokens: int):
+    def __init__(self, max_num_batched_tokens: int, extra_buckets: tuple[int, ...] = ()):
         self.max_tokens = max_num_batched_tokens
+        self.extra_buckets = tuple(extra_buckets)
         self._recent: dict[int, list[float]] = {}  # bucket -> its last WINDOW step times
         self.seconds: dict[int, float] = {}  # bucket -> their median
         self._steps_off = 0
@@ -43,14 +47,14 @@ class StepCostModel:
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0:
             return
-        b = token_bucket(num_tokens, self.max_tokens)
+        b = token_bucket(num_tokens, self.max_tokens, self.extra_buckets)
         recent = self._recent.setdefault(b, [])
         recent.append(seconds)
         del recent[:-WINDOW]
         self.seconds[b] = float(np.median(recent))
 
     def step_time(self, num_tokens: int) -> float | None:
-        b = token_bucket(num_tokens, self.max_tokens)
+        b = token_bucket(num_tokens, self.max_tokens, self.extra_buckets)
         if b in self.seconds:
             return self.seconds[b]
         if len(self.seconds) < 2:

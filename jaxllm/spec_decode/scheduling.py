@@ -117,7 +117,7 @@ class SpecDecodeScheduling(NoSpecDecoding):
         self.num_accepted_tokens = 0
         self.accepted_per_pos = np.zeros(self.k, np.int64)
         # Per step: speculate at all? (cost_model.py; observe_step feeds it)
-        self.cost_model = StepCostModel(max_num_batched_tokens)
+        self.cost_model = StepCostModel(max_num_batched_tokens, (1 + self.k,))  # llm_engine
         self.num_running = 0  # rows that may decode this step (set by begin_step)
         self.active = True
         self.num_steps_off = 0  # steps the cost model switched speculation off

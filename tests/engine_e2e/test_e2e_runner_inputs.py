@@ -219,6 +219,17 @@ def test_bucket_config_create_and_pad():
                               (64, 8, 4), (64, 8, 16)]
 
 
+def test_extra_token_buckets_join_the_powers_of_two_within_range():
+    """Speculative decoding's 1 + k: a batch-1 verify step runs unpadded."""
+    b = BucketConfig.create(64, 8, 16, bucket_widths=False, extra_tokens=(5,))
+    assert b.token_buckets == (2, 4, 5, 8, 16, 32, 64)
+    assert b.pad(5, 1, 16) == (5, 5, 16) and b.pad(6, 1, 16) == (8, 8, 16)
+    # Outside [min bucket, max_num_batched_tokens], or already a bucket: nothing changes.
+    for extra in ((1,), (65,), (8,)):
+        assert BucketConfig.create(64, 8, 16, bucket_widths=False,
+                                   extra_tokens=extra).token_buckets == (2, 4, 8, 16, 32, 64)
+
+
 def test_sequence_bucket_is_tied_to_the_token_bucket():
     """S = min(T, max_num_seqs): never more sequences than tokens."""
     b = BucketConfig.create(128, 32, 4, bucket_widths=True, min_tokens=16)

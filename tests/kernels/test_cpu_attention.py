@@ -109,12 +109,26 @@ FIXED = Shape(T=40, S=4, max_blocks=8, Hkv=2, G=4, D=64, dtype="bfloat16")
     Batch(q_lens=(6, 1, 33), ctx_lens=(10, 33, 16), seed=3),  # three tiles
     Batch(q_lens=(6, 0, 1, 5), ctx_lens=(10, 20, 33, 16), seed=4),  # a sequence with no row
     Batch(q_lens=(40,), ctx_lens=(88,), seed=5),  # every row, to the last slot of the table
-    Batch(q_lens=(1,), ctx_lens=(127,), seed=6),  # one long row: split over the pool
+    Batch(q_lens=(1,), ctx_lens=(127,), seed=6),  # one row of a 256-key chunk: whole
     Batch(q_lens=(), ctx_lens=(), seed=7),  # no sequence: all padding
-], ids=["decode", "prefill", "tiles", "mixed-empty-seq", "full", "split", "empty"])
+], ids=["decode", "prefill", "tiles", "mixed-empty-seq", "full", "one-chunk", "empty"])
 @pytest.mark.parametrize("bits", [True, False], ids=["u16", "bf16"])
 def test_fixed_batches(batch, bits):
     check(call(FIXED, bits), FIXED, batch)
+
+
+# Rows of 3 and 4 256-key chunks: alone, each is split over the pool by whole chunks whose
+# partial softmaxes are folded in order (a verify group's tile too).
+LONG = Shape(T=8, S=2, max_blocks=48, Hkv=2, G=4, D=64, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("batch", [
+    Batch(q_lens=(1,), ctx_lens=(700,), seed=8),
+    Batch(q_lens=(5,), ctx_lens=(760,), seed=9),
+    Batch(q_lens=(1, 1), ctx_lens=(767, 530), seed=10),
+], ids=["decode", "verify", "two"])
+def test_long_rows_split_over_the_pool(batch):
+    check(call(LONG, True), LONG, batch)
 
 
 # Sliding windows (NaN in every slot before each window) starting mid-block and mid-page,

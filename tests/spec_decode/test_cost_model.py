@@ -22,6 +22,9 @@ def measured(fn, buckets=(2, 4, 8, 16, 32, 64, 128, 256, 512)):
 def test_buckets_and_averages():
     assert [token_bucket(n, 512) for n in (1, 2, 3, 5, 64, 65, 600)] == \
         [2, 2, 4, 8, 64, 128, 512]
+    # The 1 + k bucket (k = 4) of an engine that speculates, within range only.
+    assert [token_bucket(n, 512, (5,)) for n in (1, 4, 5, 6)] == [2, 4, 5, 8]
+    assert token_bucket(3, 4, (5,)) == 4
     model = StepCostModel(512)
     assert model.step_time(8) is None and model.should_speculate(8, 4, 2.0)
     model.observe(5, 30.0)  # a compile: an outlier the median forgets

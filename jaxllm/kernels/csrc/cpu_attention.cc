@@ -41,11 +41,22 @@ namespace {
 constexpr int kTileRows = 16;
 // Key blocks between the one being computed and the one being prefetched.
 constexpr int kPrefetchDistance = 2;
-// A long item is split over its key blocks when the items are too few to keep every thread
-// busy: parts are cut so that there are about kPartsPerThread parts' worth of work per
-// thread, each of at least kMinPartBlocks key blocks.
+// Row invariance: a row's output must not depend on the other rows of the step (the same
+// row in a 1-row decode step and in a 5-row verify step gives the same bits, or greedy
+// speculative decoding diverges from plain decoding). So a row's keys are always reduced in
+// the same order: the online softmax runs over fixed chunks of kChunkBlocks key blocks (an
+// absolute grid: chunk c is blocks [c * kChunkBlocks, (c + 1) * kChunkBlocks)), each from a
+// fresh state, and the chunks' partial softmaxes are folded in chunk order by FoldChunk,
+// whether the item runs whole (folded as it goes) or split over threads (each chunk's
+// partial saved to a slot, folded by MergeSplit).
+constexpr int kChunkBlocks = 16;
+// 256 keys: the fold costs a decode row about 1/256 of its key work, and a row shorter than
+// a chunk never folds; contexts shorter than 2 chunks are never split (their attention is
+// cheap next to the step's GEMMs).
+// A long item is split over its chunks when the items are too few to keep every thread
+// busy: parts (whole chunks) are cut so that there are about kPartsPerThread parts' worth of
+// work per thread.
 constexpr int kPartsPerThread = 4;
-constexpr int kMinPartBlocks = 4;
 
 struct Shapes {
   int T, N, H;           // q [T, N, H]
@@ -69,7 +80,8 @@ struct Batch {
 
 // One unit of work: rows [row0, row0 + num_rows) of sequence `seq` (all N heads), against key
 // blocks [kb_begin, kb_end) (blocks of kBlockKeys positions). `part` >= 0: one of several key
-// ranges of the same rows, whose partial softmax goes to partial slot `part`.
+// ranges of the same rows, whose chunks' partial softmaxes go to the partial slots from
+// `part` on (one per chunk, the first for chunk kb_begin / kChunkBlocks).
 struct Item {
   int seq, row0, num_rows;
   int first_pos;  // position of row0
@@ -78,7 +90,8 @@ struct Item {
   double cost;
 };
 
-// Rows of a split item and the partial slots [first_part, first_part + num_parts) to merge.
+// Rows of a split item and the partial slots [first_part, first_part + num_parts) to merge,
+// one per chunk of its key range, in chunk order.
 struct Split {
   int row0, num_rows, first_part, num_parts;
 };
@@ -93,7 +106,8 @@ struct Plan {
 // Per-thread scratch, kept between calls.
 struct Scratch {
   std::vector<float> q;           // f16 only: the item's queries as f32 [rows, N, H]
-  std::vector<float> o, m, l;     // accumulators [rows, N, H], running max and sum [rows, N]
+  std::vector<float> o, m, l;     // the chunk's accumulators [rows, N, H], max and sum [rows, N]
+  std::vector<float> fo, fm, fl;  // the chunks before it, folded (a whole item only)
   std::vector<float> scores, p;   // one kv head's G query heads x 16 keys
   std::vector<float> alpha;       // their rescale factors for one block
   std::vector<float> kf, vf;      // one block of one kv head, [16, H] compute elements
@@ -153,24 +167,28 @@ std::string MakePlan(const Shapes& sh, const int32_t* block_tables, const int32_
   if (threads > 1 && !plan->items.empty()) {
     double target = total / (threads * kPartsPerThread);
     std::vector<Item> whole;
-    int parts_used = 0;
+    int slots_used = 0;
     for (const Item& it : plan->items) {
       const int blocks = it.kb_end - it.kb_begin;
-      int parts = std::min(static_cast<int>(it.cost / target), blocks / kMinPartBlocks);
+      const int c0 = it.kb_begin / kChunkBlocks;
+      const int chunks = (it.kb_end - 1) / kChunkBlocks + 1 - c0;
+      int parts = std::min(static_cast<int>(it.cost / target), chunks);
       if (parts < 2) {
         whole.push_back(it);
         continue;
       }
-      plan->splits.push_back({it.row0, it.num_rows, parts_used, parts});
-      for (int p = 0; p < parts; ++p) {
+      plan->splits.push_back({it.row0, it.num_rows, slots_used, chunks});
+      for (int p = 0; p < parts; ++p) {  // part p: chunks [c0 + chunks p / parts, ...)
+        const int cb = c0 + static_cast<int>(static_cast<long>(chunks) * p / parts);
+        const int ce = c0 + static_cast<int>(static_cast<long>(chunks) * (p + 1) / parts);
         Item part = it;
-        part.kb_begin = it.kb_begin + static_cast<int>(static_cast<long>(blocks) * p / parts);
-        part.kb_end = it.kb_begin + static_cast<int>(static_cast<long>(blocks) * (p + 1) / parts);
-        part.part = parts_used + p;
+        part.kb_begin = std::max(it.kb_begin, cb * kChunkBlocks);
+        part.kb_end = std::min(it.kb_end, ce * kChunkBlocks);
+        part.part = slots_used + cb - c0;
         part.cost = it.cost * (part.kb_end - part.kb_begin) / blocks;
         whole.push_back(part);
       }
-      parts_used += parts;
+      slots_used += chunks;
     }
     plan->items.swap(whole);
   }
@@ -312,6 +330,35 @@ const ComputeType<S>* HeadRows(const BlockRows& block, const char* const* rows, 
   return out;
 }
 
+// Folds one chunk's partial softmax (max m, sum l, unnormalised o [H]) into the running one
+// (*fm, *fl, fo [H]; *fm == -inf: empty). RunItem and MergeSplit both fold with it, and must
+// get the same bits: every multiply-add is an explicit fma (of a separately rounded product),
+// so no compiler contraction choice can differ between the two inlined copies.
+inline void FoldChunk(float m, float l, const float* o, int H, float* fm, float* fl,
+                      float* fo) {
+  if (m == kNegInf) return;  // no key of this chunk is visible to the row
+  if (*fm == kNegInf) {
+    *fm = m;
+    *fl = l;
+    std::memcpy(fo, o, H * sizeof(float));
+    return;
+  }
+  const float mn = std::fmax(*fm, m);
+  const float a = std::exp(*fm - mn), b = std::exp(m - mn);
+  *fl = std::fma(*fl, a, l * b);
+  for (int c = 0; c < H; ++c) fo[c] = std::fma(fo[c], a, o[c] * b);
+  *fm = mn;
+}
+
+// Writes one (row, head)'s folded output o / l to `out` at element `at`. Inlined (out of
+// line it cost a batch-64 decode call ~10%): one rounded multiply per element, the same bits
+// wherever it is compiled.
+template <Storage S>
+inline void WriteNormalized(const float* fo, float fl, int H, void* out, long at) {
+  const float inv = fl > 0.0f ? 1.0f / fl : 0.0f;
+  for (int c = 0; c < H; ++c) FromF32<S>(fo[c] * inv, out, at + c);
+}
+
 // Runs item `it`, whose first `ready` key blocks a previous item already prefetched. `next`
 // (nullptr: none) is the item this thread runs after it: once `it` has no blocks left to
 // prefetch, the prefetches run on into `next`'s first blocks, so that a thread going from one
@@ -323,10 +370,38 @@ int RunItem(const Batch& b, const Item& it, int ready, const Item* next, Scratch
   using E = ComputeType<S>;
   const Shapes& sh = b.sh;
   const int N = sh.N, H = HeadDim<kH>(sh.H), G = sh.G, rows = it.num_rows;
-  const long NH = static_cast<long>(N) * H;
+  const long NH = static_cast<long>(N) * H, RN = static_cast<long>(rows) * N;
   sc.o.assign(rows * NH, 0.0f);
-  sc.m.assign(static_cast<long>(rows) * N, kNegInf);
-  sc.l.assign(static_cast<long>(rows) * N, 0.0f);
+  sc.m.assign(RN, kNegInf);
+  sc.l.assign(RN, 0.0f);
+  // The chunk just computed leaves: to its partial slot (a part of a split item), or folded
+  // into fm / fl / fo (a whole item: the first chunk is swapped in, which is what folding it
+  // into the empty state does); the chunk state starts afresh unless it was the last.
+  bool folded_any = false;
+  auto end_chunk = [&](int chunk, bool last) {
+    if (it.part >= 0) {
+      float* dst = partials + (it.part + chunk - it.kb_begin / kChunkBlocks) * b.part_stride;
+      for (long h = 0; h < RN; ++h) {
+        dst[h * (H + 2)] = sc.m[h];
+        dst[h * (H + 2) + 1] = sc.l[h];
+        std::memcpy(dst + h * (H + 2) + 2, sc.o.data() + h * H, H * sizeof(float));
+      }
+    } else if (!folded_any) {
+      sc.o.swap(sc.fo);
+      sc.m.swap(sc.fm);
+      sc.l.swap(sc.fl);
+      folded_any = true;
+    } else {
+      for (long h = 0; h < RN; ++h) {
+        FoldChunk(sc.m[h], sc.l[h], sc.o.data() + h * H, H, &sc.fm[h], &sc.fl[h],
+                  sc.fo.data() + h * H);
+      }
+    }
+    if (last) return;
+    sc.o.assign(rows * NH, 0.0f);
+    sc.m.assign(RN, kNegInf);
+    sc.l.assign(RN, 0.0f);
+  };
   sc.scores.resize(16 * G);
   sc.p.resize(16 * G);
   sc.alpha.resize(G);
@@ -368,6 +443,7 @@ int RunItem(const Batch& b, const Item& it, int ready, const Item* next, Scratch
     if (blk - it.kb_begin >= ready) prefetch.Step();
   }
   for (int blk = it.kb_begin; blk < kb_end; ++blk) {
+    if (blk > it.kb_begin && blk % kChunkBlocks == 0) end_chunk(blk / kChunkBlocks - 1, false);
     const BlockRows& cur = blocks[blk % (kPrefetchDistance + 1)];
     const int kb0 = blk * kBlockKeys, n = cur.n;  // n: keys visible to the last row
     const int first_row = std::max(0, kb0 - it.first_pos);  // rows before see nothing here
@@ -413,20 +489,10 @@ int RunItem(const Batch& b, const Item& it, int ready, const Item* next, Scratch
     }
   }
 
-  if (it.part >= 0) {  // partial softmax: m, l, unnormalised o per (row, head)
-    float* dst = partials + it.part * b.part_stride;
-    for (long h = 0; h < static_cast<long>(rows) * N; ++h) {
-      dst[h * (H + 2)] = sc.m[h];
-      dst[h * (H + 2) + 1] = sc.l[h];
-      std::memcpy(dst + h * (H + 2) + 2, sc.o.data() + h * H, H * sizeof(float));
-    }
-    return next_ready;
-  }
-  for (long h = 0; h < static_cast<long>(rows) * N; ++h) {
-    const float inv = sc.l[h] > 0.0f ? 1.0f / sc.l[h] : 0.0f;
-    for (int c = 0; c < H; ++c) {
-      FromF32<S>(sc.o[h * H + c] * inv, b.out, it.row0 * NH + h * H + c);
-    }
+  end_chunk(std::max(kb_end - 1, it.kb_begin) / kChunkBlocks, true);
+  if (it.part >= 0) return next_ready;
+  for (long h = 0; h < RN; ++h) {
+    WriteNormalized<S>(sc.fo.data() + h * H, sc.fl[h], H, b.out, it.row0 * NH + h * H);
   }
   return next_ready;
 }
@@ -437,23 +503,12 @@ void MergeSplit(const Batch& b, const Split& sp, const float* partials) {
   const long NH = static_cast<long>(N) * H, stride = b.part_stride;
   std::vector<float> acc(H);
   for (long h = 0; h < static_cast<long>(sp.num_rows) * N; ++h) {
-    float m = kNegInf;
-    for (int p = 0; p < sp.num_parts; ++p) {
-      m = std::fmax(m, partials[(sp.first_part + p) * stride + h * (H + 2)]);
-    }
-    float l = 0.0f;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int p = 0; p < sp.num_parts; ++p) {
+    float m = kNegInf, l = 0.0f;
+    for (int p = 0; p < sp.num_parts; ++p) {  // the chunks in order, as RunItem folds them
       const float* part = partials + (sp.first_part + p) * stride + h * (H + 2);
-      if (part[0] == kNegInf) continue;  // this key range is invisible to the row
-      const float w = std::exp(part[0] - m);
-      l += w * part[1];
-      for (int c = 0; c < H; ++c) acc[c] += w * part[2 + c];
+      FoldChunk(part[0], part[1], part + 2, H, &m, &l, acc.data());
     }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int c = 0; c < H; ++c) {
-      FromF32<S>(acc[c] * inv, b.out, sp.row0 * NH + h * H + c);
-    }
+    WriteNormalized<S>(acc.data(), l, H, b.out, sp.row0 * NH + h * H);
   }
 }
 
