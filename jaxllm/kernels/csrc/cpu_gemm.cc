@@ -56,10 +56,10 @@ constexpr int kLongKRows = 8;
 constexpr long kLongKBytes = 24 << 10;
 constexpr int kItemsPerThread = 4; // grouped GEMM: work items per pool thread (if enough panels)
 // Dense GEMM: up to this many work items per pool thread, none under kMinItemKiloMacs
-// multiply-adds (x 1e3; ~1 us at the bf16 peak of one core). The pool hands them out in order,
+// multiply-adds (x 1e3; ~2 us at the bf16 peak of one core). The pool hands them out in order,
 // so a thread that starts late takes fewer and the threads finish within one item.
 constexpr int kSplitItemsPerThread = 64;
-constexpr long kMinItemKiloMacs = 128;
+constexpr long kMinItemKiloMacs = 256;
 // At most this many bytes of packed weight per work item: the slice stays in L2 while the
 // items of the other row chunks (handed out next, to any thread) read it again.
 constexpr long kItemWeightBytes = 256 << 10;
