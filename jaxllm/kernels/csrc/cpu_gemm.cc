@@ -27,6 +27,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -67,9 +68,19 @@ constexpr long kItemWeightBytes = 256 << 10;
 // pool costs more than it saves.
 constexpr long kInlineKiloMacs = 64;
 
+// How long the pool's threads poll for the next GEMM before they sleep, and the caller for
+// their last items (thread_pool.h): a model step calls the GEMMs tens of microseconds
+// apart, and waking a sleeping thread costs about as much. JAXLLM_CPU_GEMM_SPIN_US
+// overrides it (0: never poll, for a machine whose cores are all taken by other work).
+constexpr int kSpinUs = 200;
+
 ThreadPool& Pool() {
   // Leaked on purpose, as ThreadPool::Get() is (see thread_pool.h).
-  static ThreadPool* pool = new ThreadPool(ThreadPool::DefaultSize("JAXLLM_CPU_GEMM_THREADS"));
+  static ThreadPool* pool = [] {
+    const char* env = std::getenv("JAXLLM_CPU_GEMM_SPIN_US");
+    return new ThreadPool(ThreadPool::DefaultSize("JAXLLM_CPU_GEMM_THREADS"),
+                          env ? std::atoi(env) : kSpinUs);
+  }();
   return *pool;
 }
 
