@@ -106,6 +106,26 @@ def test_edges(dtype, M, K, N):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("K,N", [(576, 200), (1537, 70)])
+def test_a_row_gets_the_same_bits_whatever_m_and_the_other_rows(dtype, K, N):
+    # Speculative decoding's greedy equality rests on it: a row verified among M = 5 or 8
+    # rows of a draft, or among 512 of a prefill chunk, must come out as it does alone, so
+    # its sum over K may depend neither on M, nor on the micro-tile, the work item or the
+    # thread that computes it. K = 1537: odd, and past 1024 (8-row micro-blocks).
+    x_1K, w = inputs(1, K, N, DTYPES[dtype], seed=K)
+    packed = cpu_gemm.pack(w)
+    alone = [np.asarray(y) for y in run(x_1K, packed, N)]
+    rng = np.random.default_rng(N)
+    for M in (1, 5, 8, 64, 512):
+        others = jnp.asarray(rng.standard_normal((M, K)), DTYPES[dtype])
+        for at in sorted({0, M // 2, M - 1}):
+            ys = run(others.at[at].set(x_1K[0]), packed, N)
+            for y, want in zip(ys, alone):
+                np.testing.assert_array_equal(np.asarray(y)[at].view(np.uint8),
+                                              want[0].view(np.uint8), err_msg=f"M={M} at={at}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("K,N", [(5, 70), (64, 32), (3, 1)])
 def test_pack_round_trips_and_pads_with_zeros(dtype, K, N):
     w = inputs(1, K, N, DTYPES[dtype], seed=K + N)[1]

@@ -27,6 +27,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -54,7 +55,12 @@ constexpr int kChunkBlocks = 6;    // micro-blocks (of up to kMaxRows rows) per 
 // slower with fewer rows (865 -> 1138 us at 4 rows), so it keeps kMaxRows.
 constexpr int kLongKRows = 8;
 constexpr long kLongKBytes = 24 << 10;
-constexpr int kItemsPerThread = 4; // work items per pool thread when there are enough panels
+constexpr int kItemsPerThread = 4; // grouped GEMM: work items per pool thread (if enough panels)
+// Dense GEMM: up to this many work items per pool thread, none under kMinItemKiloMacs
+// multiply-adds (x 1e3; ~2 us at the bf16 peak of one core). The pool hands them out in order,
+// so a thread that starts late takes fewer and the threads finish within one item.
+constexpr int kSplitItemsPerThread = 64;
+constexpr long kMinItemKiloMacs = 256;
 // At most this many bytes of packed weight per work item: the slice stays in L2 while the
 // items of the other row chunks (handed out next, to any thread) read it again.
 constexpr long kItemWeightBytes = 256 << 10;
@@ -62,9 +68,19 @@ constexpr long kItemWeightBytes = 256 << 10;
 // pool costs more than it saves.
 constexpr long kInlineKiloMacs = 64;
 
+// How long the pool's threads poll for the next GEMM before they sleep, and the caller for
+// their last items (thread_pool.h): a model step calls the GEMMs tens of microseconds
+// apart, and waking a sleeping thread costs about as much. JAXLLM_CPU_GEMM_SPIN_US
+// overrides it (0: never poll, for a machine whose cores are all taken by other work).
+constexpr int kSpinUs = 200;
+
 ThreadPool& Pool() {
   // Leaked on purpose, as ThreadPool::Get() is (see thread_pool.h).
-  static ThreadPool* pool = new ThreadPool(ThreadPool::DefaultSize("JAXLLM_CPU_GEMM_THREADS"));
+  static ThreadPool* pool = [] {
+    const char* env = std::getenv("JAXLLM_CPU_GEMM_SPIN_US");
+    return new ThreadPool(ThreadPool::DefaultSize("JAXLLM_CPU_GEMM_THREADS"),
+                          env ? std::atoi(env) : kSpinUs);
+  }();
   return *pool;
 }
 
@@ -264,10 +280,16 @@ constexpr std::array<KernelFn, sizeof...(MRs)> KernelTable(std::integer_sequence
   return {&KernelThunk<E, L, MRs + 1>...};
 }
 
+// The micro-kernels for 1 .. kMaxRows rows, indexed by rows - 1.
+template <Elem E, Layout L = Layout::kPacked>
+const KernelFn* KernelsFor() {
+  static constexpr auto table = KernelTable<E, L>(std::make_integer_sequence<int, kMaxRows>{});
+  return table.data();
+}
+
 template <Elem E, Layout L = Layout::kPacked>
 KernelFn KernelFor(int rows) {
-  static constexpr auto table = KernelTable<E, L>(std::make_integer_sequence<int, kMaxRows>{});
-  return table[rows - 1];
+  return KernelsFor<E, L>()[rows - 1];
 }
 
 #endif  // __AVX512F__
@@ -278,6 +300,46 @@ struct RowBlocks {
   int count;
   int Begin(int i, int M) const { return static_cast<int>(static_cast<long>(M) * i / count); }
 };
+
+// Where part i of `total` things cut into `parts` starts: the first total % parts parts get
+// one more than the others, so the work items handed out first are the larger ones.
+inline int EvenBegin(int total, int parts, int i) {
+  return i * (total / parts) + std::min(i, total % parts);
+}
+
+// How the dense GEMM cuts a product into work items: row chunks (runs of consecutive
+// micro-blocks) x column slices (runs of consecutive panels), both spread evenly. Item i is
+// slice i / m_chunks, row chunk i % m_chunks: a slice's row chunks are handed out one after
+// another while its panels are in L2.
+//
+// A row's result does not depend on the cut: every output element is one micro-kernel's
+// accumulator over the whole of K, in k order, whichever tile, item or thread computes it.
+struct Split {
+  RowBlocks blocks;
+  int m_chunks;  // row chunks
+  int n_chunks;  // column slices
+  int items() const { return m_chunks * n_chunks; }
+};
+
+// `threads` pool threads; `panel_bytes`: one packed panel's size.
+Split SplitFor(int M, int K, int N, int max_rows, long panel_bytes, int threads) {
+  const int P = (N + kPanelCols - 1) / kPanelCols;
+  Split s;
+  s.blocks.count = (M + max_rows - 1) / max_rows;
+  s.m_chunks = (s.blocks.count + kChunkBlocks - 1) / kChunkBlocks;
+  // Enough items that the threads finish together (one that starts late takes fewer), none
+  // smaller than kMinItemKiloMacs.
+  const long kilo_macs = static_cast<long>(M) * K * N / 1000;
+  const long want = std::clamp<long>(kilo_macs / kMinItemKiloMacs, 1,
+                                     static_cast<long>(kSplitItemsPerThread) * threads);
+  long n_chunks = (want + s.m_chunks - 1) / s.m_chunks;
+  // Where several row chunks reread a slice, it must stay in L2 beside their x.
+  if (s.m_chunks > 1) {
+    n_chunks = std::max(n_chunks, (P * panel_bytes + kItemWeightBytes - 1) / kItemWeightBytes);
+  }
+  s.n_chunks = static_cast<int>(std::clamp<long>(n_chunks, 1, P));
+  return s;
+}
 
 std::string Run(const Problem& p) {
 #if !defined(__AVX512F__)
@@ -297,42 +359,32 @@ std::string Run(const Problem& p) {
   // stays within kLongKBytes of L1 beside the panel lines streaming through.
   const int max_rows = p.in == Elem::kBF16 && 2L * p.K * kMaxRows > kLongKBytes ? kLongKRows
                                                                                : kMaxRows;
-  const RowBlocks blocks{(p.M + max_rows - 1) / max_rows};
-  const int m_chunks = (blocks.count + kChunkBlocks - 1) / kChunkBlocks;
   ThreadPool& pool = Pool();
-  const long kilo_macs = static_cast<long>(p.M) * p.K / 1000 * p.N;
-  const int threads = kilo_macs < kInlineKiloMacs ? 1 : pool.size();
-  const long slice_chunks = (P * panel_elems * elem_bytes + kItemWeightBytes - 1) /
-                           kItemWeightBytes;
-  const int n_chunks = static_cast<int>(std::clamp<long>(
-      std::max<long>(kItemsPerThread * threads / m_chunks, m_chunks > 1 ? slice_chunks : 1),
-      1, P));
+  const Split split = SplitFor(p.M, p.K, p.N, max_rows, panel_elems * elem_bytes, pool.size());
+  const KernelFn* kernels = p.in == Elem::kBF16 ? KernelsFor<Elem::kBF16>()
+                                                : KernelsFor<Elem::kF32>();
 
-  // Items in the order handed out: the row chunks of one column slice one after another.
   auto item = [&](int i) {
-    const int nc = i / m_chunks, mc = i % m_chunks;
-    const int b_begin = mc * kChunkBlocks, b_end = std::min(blocks.count, b_begin + kChunkBlocks);
-    const int p_begin = static_cast<int>(static_cast<long>(P) * nc / n_chunks);
-    const int p_end = static_cast<int>(static_cast<long>(P) * (nc + 1) / n_chunks);
+    const int nc = i / split.m_chunks, mc = i % split.m_chunks;
+    const int b_begin = EvenBegin(split.blocks.count, split.m_chunks, mc);
+    const int b_end = EvenBegin(split.blocks.count, split.m_chunks, mc + 1);
+    const int p_begin = EvenBegin(P, split.n_chunks, nc);
+    const int p_end = EvenBegin(P, split.n_chunks, nc + 1);
     for (int q = p_begin; q < p_end; ++q) {
       const char* panel = static_cast<const char*>(p.w) + q * panel_elems * elem_bytes;
       const int col0 = q * kPanelCols, cols = std::min(kPanelCols, p.N - col0);
       for (int b = b_begin; b < b_end; ++b) {
-        const int r0 = blocks.Begin(b, p.M), rows = blocks.Begin(b + 1, p.M) - r0;
+        const int r0 = split.blocks.Begin(b, p.M), rows = split.blocks.Begin(b + 1, p.M) - r0;
         const char* x = static_cast<const char*>(p.x) + static_cast<long>(r0) * p.K * elem_bytes;
         char* y = static_cast<char*>(p.y) +
                   (static_cast<long>(r0) * p.N + col0) * out_bytes;
-        if (p.in == Elem::kBF16) {
-          KernelFor<Elem::kBF16>(rows)(x, p.K, p.K, panel, 0, y, p.N, cols, p.out_bf16);
-        } else {
-          KernelFor<Elem::kF32>(rows)(x, p.K, p.K, panel, 0, y, p.N, cols, p.out_bf16);
-        }
+        kernels[rows - 1](x, p.K, p.K, panel, 0, y, p.N, cols, p.out_bf16);
       }
     }
   };
-  const int items = m_chunks * n_chunks;
-  if (threads == 1) {
-    for (int i = 0; i < items; ++i) item(i);
+  const int items = split.items();
+  if (items == 1) {
+    item(0);
   } else {
     pool.Run(items, item);
   }

@@ -5,8 +5,15 @@
 // order from one atomic counter (callers sort their items largest first), and returns when
 // every call has finished.
 // Must never: spawn threads per call; block a second concurrent caller behind the first (a
-// caller that finds the pool busy runs its items itself); spin while idle (XLA's own threads
-// run the matmuls between two attention calls on the same cores).
+// caller that finds the pool busy runs its items itself); spin while idle beyond the window
+// its owner asked for (`spin_us`, 0 by default: other threads, XLA's and the other kernels'
+// pools, run on the same cores between two calls), nor spin without yielding the core.
+//
+// Spinning: waking a thread blocked in the kernel costs tens of microseconds on a virtual
+// machine (the idle vCPU has halted), as much as a whole small GEMM. A pool built with
+// spin_us > 0 keeps its workers polling for the next job, and the caller polling for the
+// workers' last items, for up to spin_us before blocking; each poll calls sched_yield(), so a
+// runnable thread of anything else on that core goes first.
 
 #ifndef JAXLLM_KERNELS_CSRC_THREAD_POOL_H_
 #define JAXLLM_KERNELS_CSRC_THREAD_POOL_H_
@@ -15,6 +22,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <functional>
@@ -48,7 +56,9 @@ class ThreadPool {
     return *pool;
   }
 
-  explicit ThreadPool(int size) : size_(size < 1 ? 1 : size), owner_pid_(getpid()) {
+  explicit ThreadPool(int size, int spin_us = 0)
+      : size_(size < 1 ? 1 : size), spin_(std::chrono::microseconds(spin_us > 0 ? spin_us : 0)),
+        owner_pid_(getpid()) {
     for (int i = 1; i < size_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
   }
 
@@ -68,43 +78,57 @@ class ThreadPool {
       fn_ = &fn;
       num_items_ = n;
       next_.store(0, std::memory_order_relaxed);
-      busy_workers_ = static_cast<int>(workers_.size());
-      ++generation_;
+      busy_workers_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     Drain();
+    SpinUntil([this] { return busy_workers_.load(std::memory_order_acquire) == 0; });
     std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [this] { return busy_workers_ == 0; });
+    done_.wait(lock, [this] { return busy_workers_.load(std::memory_order_acquire) == 0; });
     fn_ = nullptr;
   }
 
  private:
+  // Polls `ready` (yielding the core between polls) for up to spin_ (not at all when 0).
+  template <class Ready>
+  void SpinUntil(const Ready& ready) const {
+    if (spin_.count() == 0 || ready()) return;
+    const auto deadline = std::chrono::steady_clock::now() + spin_;
+    while (!ready() && std::chrono::steady_clock::now() < deadline) sched_yield();
+  }
+
   void Drain() {
     for (int i = next_.fetch_add(1); i < num_items_; i = next_.fetch_add(1)) (*fn_)(i);
   }
 
   void WorkerLoop() {
     unsigned long seen = 0;
+    auto fresh = [&] { return generation_.load(std::memory_order_acquire) != seen; };
     for (;;) {
+      SpinUntil(fresh);
       {
         std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
+        wake_.wait(lock, fresh);
+        seen = generation_.load(std::memory_order_relaxed);
       }
       Drain();
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--busy_workers_ == 0) done_.notify_one();
+      if (busy_workers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lock(mu_);  // the caller checks and sleeps under mu_
+        done_.notify_one();
+      }
     }
   }
 
   const int size_;
+  const std::chrono::microseconds spin_;
   const pid_t owner_pid_;
   std::vector<std::thread> workers_;
   std::mutex submit_mu_;  // one job at a time
   std::mutex mu_;         // guards the job fields below and the counters
   std::condition_variable wake_, done_;
-  unsigned long generation_ = 0;
-  int busy_workers_ = 0;
+  std::atomic<unsigned long> generation_{0};  // written under mu_, polled without it
+  std::atomic<int> busy_workers_{0};
   const std::function<void(int)>* fn_ = nullptr;
   int num_items_ = 0;
   std::atomic<int> next_{0};
