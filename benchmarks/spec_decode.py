@@ -12,8 +12,8 @@ Workloads (all greedy):
   peer        benchmarks/throughput.py's workload (random token ids, EOS ignored), where
               prompt lookup mostly finds nothing.
 For each batch size (concurrent requests; default 1, 8, 64) both engines (the same model;
-"off" in its best configuration, async scheduling on; "on" with k drafts per step, async
-scheduling on too: engine/core.py folds back before a step that speculates) run the workload after one untimed pass of
+"off" in its best configuration, async scheduling on; "on" with k drafts per step, where
+n-gram speculation turns async scheduling off) run the workload after one untimed pass of
 the same workload, then --repeats timed passes each, alternately; times are medians.
 Reported per row: output tok/s of each engine and
 their ratio, acceptance rate (accepted / drafted tokens), mean acceptance length (tokens per

@@ -14,6 +14,7 @@ Accelerator defaults follow vLLM: max_num_seqs 256, max_num_batched_tokens 8192,
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jaxllm.cache import AUTO
 from jaxllm.kernels import ATTENTION_BACKENDS, LINEAR_BACKENDS
@@ -30,6 +31,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
 CONVERTS = ("auto", "none", "embed", "classify")  # vLLM's --convert (a subset)
 
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,11 +199,18 @@ class EngineConfig:
                 f"max_num_seqs ({self.max_num_seqs})")
 
     def _resolve_async_scheduling(self) -> None:
-        """vLLM's rule: unset is on unless an option cannot run with it. None here cannot:
-        n-gram speculation runs with it too (engine/core.py folds the steps in flight back
-        before a step that speculates), where vLLM 0.32 turns it off for n-gram."""
+        """vLLM's rule: unset is on unless an option cannot run with it (then off, said once);
+        asked for explicitly next to such an option, a ValueError."""
+        blocker = None if self.speculative_config is None else (
+            f"{self.speculative_config.method}-based speculative decoding")
         if self.async_scheduling is None:
-            object.__setattr__(self, "async_scheduling", True)
+            if blocker is not None:
+                logger.warning("Async scheduling is not supported with %s and will be "
+                               "disabled.", blocker)
+            object.__setattr__(self, "async_scheduling", blocker is None)
+        elif self.async_scheduling is True and blocker is not None:
+            raise ValueError(f"async_scheduling=True cannot run with {blocker} here; pass "
+                             "async_scheduling=False (--no-async-scheduling) or leave it unset")
 
     def resolved(self, model_max_len: int, on_accelerator: bool) -> "EngineConfig":
         """Fill the None defaults for this model and platform."""

@@ -24,15 +24,6 @@ scheduler also never schedules a constrained request with a token in flight.
     unconstrained only:  schedule N+1 | dispatch N+1 | fetch N
     constrained in N:    fetch N | schedule N+1 (masks) | dispatch N+1
 
-Speculative decoding under async scheduling, the same way: a step that speculates proposes
-from each row's latest tokens, and a step that verified drafts rolls its rows' positions back
-when its rejections come in. So the steps in flight are folded back first before a step the
-speculation plans to speculate (spec_decode/scheduling.py `plan_step`, the cost model's
-per-step decision), and a step that verified is folded back before the next is scheduled.
-Where speculation is off (large batches), every step stays async. The cost model is fed each
-step's time either way: in the async loop, the time from its dispatch, or from the previous
-step's results if later, to its results (a pipelined step's share of the wall time).
-
 A step that raises fails the requests it carried, not the engine: they finish with
 finish_reason "error", their blocks are freed, and the exception reaches the caller with the
 failed request ids attached. Everything else keeps running. A request whose own scheduling or
@@ -74,10 +65,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.async_scheduling = async_scheduling
-        # Async mode: dispatched steps whose outputs are not folded back yet (at most 2), as
-        # (scheduler output, pending step, dispatch time).
+        # Async mode: dispatched steps whose outputs are not folded back yet (at most 2).
         self._in_flight: collections.deque = collections.deque()
-        self._last_fetch_end = 0.0
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -128,42 +117,33 @@ class EngineCore:
                 self.scheduler.structured_output_manager.wait_for_any(compiling, 0.05)
         return so
 
-    def _must_fold_back(self) -> bool:
-        """Does the next step need the results of the steps in flight? (the docstring)"""
-        if not self._in_flight:
-            return False
+    def _constrained_in_flight(self) -> bool:
         live = self.scheduler.requests
-        if any(r in live for so, *_ in self._in_flight
-               for r in (*so.structured_output_request_ids, *so.scheduled_spec_decode_tokens)):
-            return True  # masks from the grammar's state; positions after rejections
-        return self.scheduler.spec_decoding.plan_step(len(self.scheduler.running))
+        return any(r in live for so, _ in self._in_flight
+                   for r in so.structured_output_request_ids)
 
     def _step_async(self) -> list[EngineCoreOutput]:
         outputs = []
-        while self._must_fold_back():
+        while self._constrained_in_flight():  # their next masks need these tokens
             outputs += self._fetch_oldest()
         so = self._schedule()
-        t0 = time.perf_counter()
         try:
             pending = self.runner.dispatch(so)
         except Exception as e:
             raise self._fail(so, e) from e
         if pending is not None:
-            self._in_flight.append((so, pending, t0))
+            self._in_flight.append((so, pending))
         if outputs or not self._in_flight or (pending is not None
                                               and len(self._in_flight) < 2):
             return outputs  # keep one step in flight; nothing more is due yet
         return self._fetch_oldest()
 
     def _fetch_oldest(self) -> list[EngineCoreOutput]:
-        so, pending, t0 = self._in_flight.popleft()
+        so, pending = self._in_flight.popleft()
         try:
             runner_output = self.runner.fetch(pending)
         except Exception as e:
             raise self._fail(so, e) from e
-        start, self._last_fetch_end = max(t0, self._last_fetch_end), time.perf_counter()
-        self.scheduler.spec_decoding.observe_step(so.total_num_scheduled_tokens,
-                                                  self._last_fetch_end - start)
         return self.scheduler.update_from_output(so, runner_output)
 
     def _fail(self, so: SchedulerOutput, cause: BaseException) -> StepFailed:
@@ -172,7 +152,7 @@ class EngineCore:
         if self._in_flight and not self.runner.device_state_ok():
             # The device state was consumed by the failed computation: steps still in flight
             # read it too, so their requests fail with it.
-            for other, *_ in self._in_flight:
+            for other, _ in self._in_flight:
                 failed += [r for r in other.num_scheduled_tokens if r not in failed]
             self._in_flight.clear()
         # With them, the requests that failed alone in this step's schedule.

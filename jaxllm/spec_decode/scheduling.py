@@ -6,12 +6,9 @@ verification and the acceptance counters (vLLM's spec_decode_* metrics). The sch
 calls it at these points and never branches on whether speculation is on (`NoSpecDecoding`
 is the same interface doing nothing):
 
-    plan_step(num_running)              will the next step speculate at all? (cost_model.py:
-                                        off when the batch is large enough that the extra
-                                        tokens cost more than acceptance gives back);
-                                        decided once per step, asked by the engine first
-                                        under async scheduling (engine/core.py)
-    begin_step(num_running)             the step starts with that decision
+    begin_step(num_running)             speculate this step at all? (cost_model.py: off
+                                        when the batch is large enough that the extra
+                                        tokens cost more than acceptance gives back)
     observe_step(num_tokens, seconds)   the engine's measured step time (feeds that model)
     num_new_tokens(request, n, budget)  a running row ready to decode (n == 1) may take
                                         1 + m tokens: its last token and m <= K drafts
@@ -87,9 +84,6 @@ class NoSpecDecoding:
     def forget(self, request) -> None:
         pass
 
-    def plan_step(self, num_running: int) -> bool:
-        return False
-
     def begin_step(self, num_running: int) -> None:
         pass
 
@@ -126,26 +120,16 @@ class SpecDecodeScheduling(NoSpecDecoding):
         self.cost_model = StepCostModel(max_num_batched_tokens, (1 + self.k,))  # llm_engine
         self.num_running = 0  # rows that may decode this step (set by begin_step)
         self.active = True
-        self._plan: bool | None = None  # the next step's decision, once made
         self.num_steps_off = 0  # steps the cost model switched speculation off
 
-    def plan_step(self, num_running: int) -> bool:
-        """Will the next step speculate, with num_running rows in the batch? Decided once per
-        step (the cost model counts its decisions to probe now and then); begin_step keeps
-        the answer."""
-        if self._plan is None:
-            mean_drafts = (self.num_draft_tokens / self.num_drafts if self.num_drafts
-                           else self.k)
-            # Until drafts were verified, assume half of them accepted.
-            mean_len = (1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts
-                        else 1 + self.k / 2)
-            self._plan = not self.auto_disable or self.cost_model.should_speculate(
-                num_running, mean_drafts, mean_len)
-        return self._plan
-
     def begin_step(self, num_running: int) -> None:
-        """The step being scheduled, with num_running rows in the batch, starts."""
-        self.active, self._plan = self.plan_step(num_running), None
+        """Decide for the step being scheduled, with num_running rows in the batch."""
+        mean_drafts = self.num_draft_tokens / self.num_drafts if self.num_drafts else self.k
+        # Until drafts were verified, assume half of them accepted.
+        mean_len = (1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts
+                    else 1 + self.k / 2)
+        self.active = not self.auto_disable or self.cost_model.should_speculate(
+            num_running, mean_drafts, mean_len)
         self.num_steps_off += not self.active
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -175,9 +159,7 @@ class SpecDecodeScheduling(NoSpecDecoding):
 
     def take_scheduled(self) -> dict[str, list[int]]:
         drafts, self._drafts = self._drafts, {}
-        # The steps that verified drafts were all folded back by now (in the async loop too:
-        # engine/core.py folds back every step in flight before one that speculates, and a
-        # step that verified before the next is scheduled).
+        # Synchronous loop: the previous step's outputs were all folded back by now.
         self._verifying = {req_id: len(d) for req_id, d in drafts.items()}
         return drafts
 

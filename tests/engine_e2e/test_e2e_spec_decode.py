@@ -10,15 +10,10 @@ buckets would cost as much again to compile).
   * serving after warm-up compiles nothing (STYLE habit 9), every sampling kind mixed in;
   * random sampling: the token sampled at a verified position follows HF's conditional
     distribution (chi-square over the samples), and seeded requests reproduce;
-  * the spec_decode_* metrics count what the scheduler verified;
-  * async scheduling (the same engine's core switched to its async loop): steps that
-    speculate run with nothing in flight, the others pipelined, and greedy outputs still
-    equal HF's.
+  * the spec_decode_* metrics count what the scheduler verified.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 import pytest
@@ -189,33 +184,3 @@ def test_spec_decode_metrics(engine):
                for j in range(4)]
     assert per_pos == list(stats.num_accepted_tokens_per_pos)
     assert sum(per_pos) == stats.num_accepted_tokens and per_pos == sorted(per_pos)[::-1]
-
-
-def test_async_scheduling_folds_back_before_speculating(engine, monkeypatch):
-    llm, hf = engine
-    core = llm.llm_engine.engine_core
-    spec = llm.llm_engine.scheduler.spec_decoding
-    monkeypatch.setattr(core, "async_scheduling", True)
-    # The cost model's per-step decision, forced: speculate one step in three.
-    decisions = itertools.cycle([True, False, False])
-    monkeypatch.setattr(spec, "auto_disable", True)
-    monkeypatch.setattr(spec.cost_model, "should_speculate", lambda *a: next(decisions))
-    in_flight_at_dispatch = []  # (steps in flight, the dispatched step verifies drafts)
-    dispatch = core.runner.dispatch
-
-    def recording_dispatch(so):
-        in_flight_at_dispatch.append((len(core._in_flight),
-                                      bool(so.scheduled_spec_decode_tokens)))
-        return dispatch(so)
-
-    monkeypatch.setattr(core.runner, "dispatch", recording_dispatch)
-    before = spec_stats(llm)
-    lengths = [40, 13, 40, 7]
-    got = token_ids(llm.generate(prompts(PROMPTS), [greedy(n) for n in lengths],
-                                 use_tqdm=False))
-    assert got == [hf_greedy(hf, p, n) for p, n in zip(PROMPTS, lengths)]
-    assert spec_stats(llm).num_accepted_tokens - before.num_accepted_tokens > 5
-    verifying = [n for n, drafts in in_flight_at_dispatch if drafts]
-    plain = [n for n, drafts in in_flight_at_dispatch if not drafts]
-    assert verifying and set(verifying) == {0}  # a verify step never overlaps another
-    assert 1 in plain  # the others were pipelined

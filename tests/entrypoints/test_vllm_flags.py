@@ -107,9 +107,9 @@ def test_speculative_config_flag():
     c = engine.speculative_config
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (
         "ngram", 3, 4, 4)
-    assert engine.async_scheduling is False
-    assert resolve_args(["--speculative-config", spec, "--async-scheduling"])[1].async_scheduling
-    assert resolve_args(["--speculative-config", spec])[1].async_scheduling is True
+    with pytest.raises(ValueError, match="async_scheduling=True cannot run with ngram"):
+        resolve_args(["--speculative-config", spec, "--async-scheduling"])
+    assert resolve_args(["--speculative-config", spec])[1].async_scheduling is False
     with pytest.raises(ValueError, match="must be a JSON object"):
         resolve_args(["--speculative-config", "{ngram", "--no-async-scheduling"])
 

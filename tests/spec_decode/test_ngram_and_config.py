@@ -57,11 +57,13 @@ def test_config_defaults_and_refusals(caplog):
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_dict(d)
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    # n-gram runs with async scheduling here (engine/core.py), so unset means on, silently.
+    with pytest.raises(ValueError, match="async_scheduling=True cannot run with ngram-based "
+                       "speculative decoding here; pass async_scheduling=False"):
+        EngineConfig(speculative_config=spec, async_scheduling=True)
     with caplog.at_level(logging.WARNING, logger="jaxllm.config"):
-        assert EngineConfig(speculative_config=spec).async_scheduling is True
-        assert EngineConfig(speculative_config=spec, async_scheduling=True).async_scheduling
-    assert caplog.messages == []
+        assert EngineConfig(speculative_config=spec).async_scheduling is False  # vLLM's rule
+    assert caplog.messages == ["Async scheduling is not supported with ngram-based "
+                               "speculative decoding and will be disabled."]
     assert EngineConfig().async_scheduling is True
     assert EngineConfig(speculative_config=spec,
                         async_scheduling=False).speculative_config.num_speculative_tokens == 2
