@@ -97,16 +97,18 @@ class EngineCore:
         return self.scheduler.take_failed_outputs() + outputs
 
     def _step_sync(self) -> list[EngineCoreOutput]:
-        so = self._schedule()
         t0 = time.perf_counter()
+        so = self._schedule()
         try:
             runner_output = self.runner.execute_model(so)
         except Exception as e:
             raise self._fail(so, e) from e
-        # Speculative decoding's cost model reads the step times (spec_decode/cost_model.py).
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        # Speculative decoding's cost model reads the step times, host work included
+        # (spec_decode/cost_model.py).
         self.scheduler.spec_decoding.observe_step(so.total_num_scheduled_tokens,
                                                   time.perf_counter() - t0)
-        return self.scheduler.update_from_output(so, runner_output)
+        return outputs
 
     def _schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()

@@ -1,19 +1,22 @@
-"""When speculation pays: a step-time model measured while serving (vLLM's
-disable_by_batch_size, with the threshold derived instead of configured).
+"""How many draft tokens a step should verify: a step-time model measured while serving
+(vLLM's disable_by_batch_size, with the threshold derived instead of configured, and per
+token bucket instead of all or nothing).
 
 Owns the measured wall time of the engine's steps by token bucket (the median of each
-bucket's recent steps: the runner's token buckets, powers of two and 1 + k) and the
-per-step decision.
-With B running rows, speculation emits on average L = 1 + accepted / drafts tokens per row
-(the engine's own acceptance so far) at the cost of a step over about B * (1 + m) tokens
-(m = drafts per verified row so far), against B tokens in a plain step:
+bucket's recent steps; the buckets are the runner's: powers of two and 1 + k) and the
+per-step draft budget. A step with B decode rows runs in bucket(B) with no drafts. Drafts
+move it to a bucket b >= bucket(B); D = min(b - B, available) drafts there emit about
+B + a * D tokens (a = accepted / drafted so far, `available` = B x the drafts a row's
+proposal has offered so far) in t(b):
 
-    speculate  <=>  B * L / t(bucket(B * (1 + m)))  >=  B / t(bucket(B))
+    budget = b* - B   for the b* that maximises (B + a * min(b - B, available)) / t(b)
 
+So the padding of bucket(B) is always filled with drafts (same bucket, same time), and a
+larger bucket is taken only while its extra tokens pay for themselves: memory-bound steps
+(t flat in T) speculate fully, compute-bound ones (t ~ T) stop at their own bucket.
 t of a bucket not measured yet comes from a least-squares line through the measured ones,
-t = a + b * T (so a memory-bound regime, b ~ 0, speculates, and a compute-bound one, where
-t grows with T, stops once L no longer covers the extra tokens); with fewer than two
-buckets measured it speculates (and so measures). While off it still speculates one step
+t = c + s * T; with fewer than two buckets measured the budget is unlimited (and so the
+step measures). While the model stays in bucket(B) it still tries the next bucket one step
 in PROBE_EVERY, so the times it decides by stay measured. Never touches a device or a
 request.
 """
@@ -22,39 +25,48 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxllm.runner.buckets import pad_to_bucket, power_of_two_buckets
+
 WINDOW = 8  # a bucket's time is the median of its last WINDOW steps (a compile is an outlier)
-PROBE_EVERY = 16  # while off, every PROBE_EVERY-th step speculates anyway, to keep measuring
+PROBE_EVERY = 16  # while in bucket(B), every PROBE_EVERY-th step tries the next bucket
+UNLIMITED = 1 << 30  # a draft budget that no step reaches
+
+
+def token_buckets(max_tokens: int, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The runner's token buckets (runner/buckets.py BucketConfig.create: powers of two from
+    2, ending at max_tokens, and the `extra` ones in that range)."""
+    powers = power_of_two_buckets(min(2, max_tokens), max_tokens)
+    return tuple(sorted(set(powers).union(e for e in extra if powers[0] <= e <= max_tokens)))
 
 
 def token_bucket(num_tokens: int, max_tokens: int, extra: tuple[int, ...] = ()) -> int:
-    """The runner's bucket of a step of num_tokens (powers of two from 2, capped, and the
-    `extra` ones: runner/buckets.py BucketConfig.create's extra_tokens)."""
-    bucket = 2
-    while bucket < num_tokens:
-        bucket *= 2
-    return min([min(bucket, max_tokens)] +
-               [e for e in extra if max(num_tokens, 2) <= e <= max_tokens])
+    """The bucket a step of num_tokens runs in (capped at max_tokens)."""
+    return pad_to_bucket(min(max(num_tokens, 2), max_tokens), token_buckets(max_tokens, extra),
+                         "num_tokens")
 
 
 class StepCostModel:
     def __init__(self, max_num_batched_tokens: int, extra_buckets: tuple[int, ...] = ()):
         self.max_tokens = max_num_batched_tokens
-        self.extra_buckets = tuple(extra_buckets)
+        self.buckets = token_buckets(max_num_batched_tokens, tuple(extra_buckets))
         self._recent: dict[int, list[float]] = {}  # bucket -> its last WINDOW step times
         self.seconds: dict[int, float] = {}  # bucket -> their median
-        self._steps_off = 0
+        self._steps_in_own_bucket = 0
+
+    def bucket(self, num_tokens: int) -> int:
+        return pad_to_bucket(min(max(num_tokens, 2), self.max_tokens), self.buckets,
+                             "num_tokens")
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0:
             return
-        b = token_bucket(num_tokens, self.max_tokens, self.extra_buckets)
-        recent = self._recent.setdefault(b, [])
+        recent = self._recent.setdefault(self.bucket(num_tokens), [])
         recent.append(seconds)
         del recent[:-WINDOW]
-        self.seconds[b] = float(np.median(recent))
+        self.seconds[self.bucket(num_tokens)] = float(np.median(recent))
 
     def step_time(self, num_tokens: int) -> float | None:
-        b = token_bucket(num_tokens, self.max_tokens, self.extra_buckets)
+        b = self.bucket(num_tokens)
         if b in self.seconds:
             return self.seconds[b]
         if len(self.seconds) < 2:
@@ -64,18 +76,34 @@ class StepCostModel:
         slope, intercept = np.polyfit(T, t, 1)
         return max(float(intercept + slope * b), 1e-9)
 
-    def should_speculate(self, num_rows: int, mean_drafts: float,
-                         mean_acceptance_length: float) -> bool:
+    def draft_budget(self, num_rows: int, drafts_per_row: float,
+                     acceptance_rate: float) -> tuple[int, bool]:
+        """-> (draft tokens to schedule this step, whether it stays in bucket(num_rows)).
+        drafts_per_row: drafts a row's proposal offered on average (misses count as 0);
+        acceptance_rate: accepted / drafted so far."""
         if num_rows <= 0:
-            return True
-        plain = self.step_time(num_rows)
-        spec = self.step_time(min(self.max_tokens, int(round(num_rows * (1 + mean_drafts)))))
-        if plain is None or spec is None:
-            return True
-        if mean_acceptance_length / spec >= 1.0 / plain:
-            self._steps_off = 0
-            return True
-        # Off; but a model that never speculates again never measures again (a step time
-        # inflated by load or a compile would keep it off for good): probe now and then.
-        self._steps_off += 1
-        return self._steps_off % PROBE_EVERY == 0
+            return 0, True
+        own = self.bucket(num_rows)
+        available = num_rows * drafts_per_row
+        best, best_rate, next_bucket, room = own, None, None, None
+        for b in self.buckets:
+            if b < own:
+                continue
+            if room is not None and room >= available:
+                break  # the drafts on offer all fit in a smaller bucket
+            t = self.step_time(b)
+            if t is None:
+                return UNLIMITED, False  # nothing to decide by yet: speculate and measure
+            room = b - num_rows
+            rate = (num_rows + acceptance_rate * min(room, available)) / t
+            if b > own and next_bucket is None:
+                next_bucket = b
+            if best_rate is None or rate > best_rate:
+                best, best_rate = b, rate
+        if best == own:
+            self._steps_in_own_bucket += 1
+            if next_bucket is not None and self._steps_in_own_bucket % PROBE_EVERY == 0:
+                return next_bucket - num_rows, False  # probe
+            return own - num_rows, True
+        self._steps_in_own_bucket = 0
+        return best - num_rows, False

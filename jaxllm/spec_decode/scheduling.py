@@ -6,9 +6,10 @@ verification and the acceptance counters (vLLM's spec_decode_* metrics). The sch
 calls it at these points and never branches on whether speculation is on (`NoSpecDecoding`
 is the same interface doing nothing):
 
-    begin_step(num_running)             speculate this step at all? (cost_model.py: off
-                                        when the batch is large enough that the extra
-                                        tokens cost more than acceptance gives back)
+    begin_step(num_running)             how many drafts this step may verify in all
+                                        (cost_model.py: the padding of the batch's own
+                                        bucket, and a larger bucket only while acceptance
+                                        pays for its extra tokens)
     observe_step(num_tokens, seconds)   the engine's measured step time (feeds that model)
     num_new_tokens(request, n, budget)  a running row ready to decode (n == 1) may take
                                         1 + m tokens: its last token and m <= K drafts
@@ -37,7 +38,7 @@ import numpy as np
 
 from jaxllm.engine.request import CACHE_SALT_KEY
 from jaxllm.spec_decode.config import SpeculativeConfig
-from jaxllm.spec_decode.cost_model import StepCostModel
+from jaxllm.spec_decode.cost_model import UNLIMITED, StepCostModel
 from jaxllm.spec_decode.ngram import NgramProposer
 
 
@@ -116,27 +117,35 @@ class SpecDecodeScheduling(NoSpecDecoding):
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = np.zeros(self.k, np.int64)
-        # Per step: speculate at all? (cost_model.py; observe_step feeds it)
+        # Per step: how many drafts (cost_model.py; observe_step feeds it)
         self.cost_model = StepCostModel(max_num_batched_tokens, (1 + self.k,))  # llm_engine
-        self.num_running = 0  # rows that may decode this step (set by begin_step)
-        self.active = True
-        self.num_steps_off = 0  # steps the cost model switched speculation off
+        self.draft_budget = UNLIMITED  # drafts the step being scheduled may still take
+        self.num_steps_off = 0  # steps the cost model kept in their own bucket
+        self.num_proposals = 0  # proposals asked for the full k (the cost model's supply)
+        self.num_proposed_tokens = 0
+
+    @property
+    def active(self) -> bool:
+        return self.draft_budget > 0
 
     def begin_step(self, num_running: int) -> None:
-        """Decide for the step being scheduled, with num_running rows in the batch."""
-        mean_drafts = self.num_draft_tokens / self.num_drafts if self.num_drafts else self.k
+        """Set the draft budget of the step being scheduled, with num_running rows."""
+        if not self.auto_disable:
+            self.draft_budget = UNLIMITED
+            return
+        offered = (self.num_proposed_tokens / self.num_proposals if self.num_proposals
+                   else self.k)
         # Until drafts were verified, assume half of them accepted.
-        mean_len = (1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts
-                    else 1 + self.k / 2)
-        self.active = not self.auto_disable or self.cost_model.should_speculate(
-            num_running, mean_drafts, mean_len)
-        self.num_steps_off += not self.active
+        rate = (self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens
+                else 0.5)
+        self.draft_budget, own = self.cost_model.draft_budget(num_running, offered, rate)
+        self.num_steps_off += own
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost_model.observe(num_tokens, seconds)
 
     def num_new_tokens(self, request, num_new_tokens: int, token_budget: int) -> int:
-        self._drafts.pop(request.request_id, None)
+        self.forget(request)
         if (not self.active or num_new_tokens != 1 or request.num_output_placeholders
                 or request.num_computed_tokens != request.num_tokens - 1
                 or request.num_output_tokens < request.sampling_params.min_tokens
@@ -149,13 +158,18 @@ class SpecDecodeScheduling(NoSpecDecoding):
         if cap <= 0:
             return num_new_tokens
         drafts = self.proposer.propose(np.asarray(request.all_token_ids, np.int64), cap)
+        if cap == self.k:
+            self.num_proposals += 1
+            self.num_proposed_tokens += drafts.size
+        drafts = drafts[:self.draft_budget]
+        self.draft_budget -= drafts.size
         if drafts.size == 0:
             return num_new_tokens
         self._drafts[request.request_id] = drafts.tolist()
         return 1 + drafts.size
 
     def forget(self, request) -> None:
-        self._drafts.pop(request.request_id, None)
+        self.draft_budget += len(self._drafts.pop(request.request_id, ()))
 
     def take_scheduled(self) -> dict[str, list[int]]:
         drafts, self._drafts = self._drafts, {}

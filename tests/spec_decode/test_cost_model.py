@@ -1,4 +1,4 @@
-"""The measured step-time model that switches speculation off per step
+"""The measured step-time model that sets each step's draft budget
 (spec_decode/cost_model.py), on synthetic step times, and its effect on the schedule."""
 
 from __future__ import annotations
@@ -7,16 +7,20 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.config import SpeculativeConfig
-from jaxllm.spec_decode.cost_model import StepCostModel, token_bucket
+from jaxllm.spec_decode.cost_model import UNLIMITED, StepCostModel, token_bucket
 from jaxllm.spec_decode.scheduling import SpecDecodeScheduling
 
 
-def measured(fn, buckets=(2, 4, 8, 16, 32, 64, 128, 256, 512)):
-    model = StepCostModel(512)
+def measured(fn, buckets=(2, 4, 8, 16, 32, 64, 128, 256, 512), extra=()):
+    model = StepCostModel(512, extra)
     for T in buckets:
         for _ in range(3):
             model.observe(T, fn(T))
     return model
+
+
+def steep(T):  # 1 ms + 0.1 ms per token: compute-bound from a few rows on
+    return 0.001 + 0.0001 * T
 
 
 def test_buckets_and_averages():
@@ -25,8 +29,9 @@ def test_buckets_and_averages():
     # The 1 + k bucket (k = 4) of an engine that speculates, within range only.
     assert [token_bucket(n, 512, (5,)) for n in (1, 4, 5, 6)] == [2, 4, 5, 8]
     assert token_bucket(3, 4, (5,)) == 4
+    assert StepCostModel(48).buckets == (2, 4, 8, 16, 32, 48)
     model = StepCostModel(512)
-    assert model.step_time(8) is None and model.should_speculate(8, 4, 2.0)
+    assert model.step_time(8) is None and model.draft_budget(8, 4, 0.5) == (UNLIMITED, False)
     model.observe(5, 30.0)  # a compile: an outlier the median forgets
     model.observe(6, 1.0)  # same bucket (8)
     model.observe(7, 1.4)
@@ -35,33 +40,60 @@ def test_buckets_and_averages():
     assert abs(model.step_time(32) - (1.4 + (2.3 - 1.4) * (32 - 8) / (64 - 8))) < 1e-9
 
 
-def test_memory_bound_speculates_compute_bound_does_not():
+def test_memory_bound_takes_every_draft_on_offer():
     flat = measured(lambda T: 0.010)
-    assert all(flat.should_speculate(b, 4, 1.5) for b in (1, 8, 64, 128))
-    # 10 ms + 0.1 ms per token: the threshold is where L / t(B (1 + m)) = 1 / t(B).
-    model = measured(lambda T: 0.010 + 0.0001 * T)
-    decisions = {b: model.should_speculate(b, 4, 2.0) for b in (1, 8, 16, 32, 64)}
-    assert decisions == {1: True, 8: True, 16: True, 32: False, 64: False}
-    # While off, one step in PROBE_EVERY (16) speculates, to keep measuring.
-    probes = [model.should_speculate(64, 4, 2.0) for _ in range(32)]
-    assert sum(probes) == 2 and not any(probes[:13])
-    t = model.step_time
-    assert 2.0 / t(16 * 5) >= 1 / t(16) and 2.0 / t(32 * 5) < 1 / t(32)
-    # A better acceptance moves the threshold up.
-    assert model.should_speculate(32, 4, 4.0)
+    # 64 rows x 4 drafts fit first in bucket 512; 1 row's 4 first in bucket 8.
+    assert flat.draft_budget(64, 4, 0.5) == (448, False)
+    assert flat.draft_budget(1, 4, 0.5) == (7, False)
+    # Supply: 64 rows offering 1 draft each on average fit in bucket 128.
+    assert flat.draft_budget(64, 1, 0.5) == (64, False)
 
 
-def test_the_scheduler_stops_drafting_when_the_model_says_so():
+def test_compute_bound_fills_its_own_bucket_only():
+    model = measured(steep)
+    # B = 64: bucket 128 would emit 64 + 0.5 x 64 tokens in 13.8 ms, against 64 in 7.4 ms.
+    assert model.draft_budget(64, 4, 0.5) == (0, True)
+    assert 64 / steep(64) > (64 + 0.5 * 64) / steep(128)
+    # B = 50 runs in bucket 64 anyway: its 14 padding rows take drafts for free.
+    assert model.draft_budget(50, 4, 0.5) == (14, True)
+    # B = 1: bucket 4 (3 drafts) beats 2 and 8: 2.5 / 1.4 ms > 3 / 1.8 ms > 1 / 1.2 ms.
+    assert model.draft_budget(1, 4, 0.5) == (3, False)
+    # A better acceptance rate moves the threshold: bucket 256 emits 256 tokens in 26.6 ms,
+    # more per second than 128 (128 in 13.8 ms) or 64 (64 in 7.4 ms).
+    assert model.draft_budget(64, 4, 1.0) == (192, False)
+    # ... unless the proposals offer too few drafts: 80 / 13.8 ms < 64 / 7.4 ms.
+    assert model.draft_budget(64, 0.25, 1.0) == (0, True)
+
+
+def test_staying_in_its_own_bucket_probes_the_next_one_now_and_then():
+    model = measured(steep)
+    budgets = [model.draft_budget(64, 4, 0.5) for _ in range(32)]
+    # One step in PROBE_EVERY (16) tries bucket 128, so that its time stays measured.
+    assert [i for i, b in enumerate(budgets) if b != (0, True)] == [15, 31]
+    assert budgets[15] == (64, False)
+
+
+def test_the_scheduler_drafts_within_the_budget():
     kv = KVCacheManager(64, 4, 64)
     spec = SpecDecodeScheduling(SpeculativeConfig(4, "ngram", 2, 1), kv, 64,
                                 max_num_batched_tokens=512)
     r = Request("a", [7, 8, 9, 7, 8, 9, 7, 8], SamplingParams(temperature=0.0, max_tokens=9),
                 eos_token_id=0, arrival_time=0.0)
     r.num_computed_tokens = 7
-    for T in (2, 4, 8, 16, 32, 64, 128, 256, 512):
-        spec.observe_step(T, 0.010 + 0.0001 * T)
+    for T in (2, 4, 5, 8, 16, 32, 64, 128, 256, 512):
+        spec.observe_step(T, steep(T))
+    # One row: the 1 + k bucket (5) takes all 4 drafts: 3 / 1.5 ms beats bucket 4's 2.5 / 1.4.
     spec.begin_step(1)
-    assert spec.active and spec.num_new_tokens(r, 1, 512) == 5
+    assert spec.draft_budget == 4 and spec.num_new_tokens(r, 1, 512) == 5
+    assert spec.draft_budget == 0
+    spec.forget(r)  # unscheduled: its drafts go back to the budget
+    assert spec.draft_budget == 4 and spec.take_scheduled() == {}
+    assert (spec.num_proposals, spec.num_proposed_tokens) == (1, 4)
+    # 64 rows fill bucket 64 exactly: no drafts.
     spec.begin_step(64)
     assert not spec.active and spec.num_new_tokens(r, 1, 512) == 1
     assert spec.num_steps_off == 1
+    # 62 rows: 2 padding rows of bucket 64, so this row gets 2 of its 4 drafts.
+    spec.begin_step(62)
+    assert spec.draft_budget == 2 and spec.num_new_tokens(r, 1, 512) == 3
+    assert spec.take_scheduled() == {"a": [9, 7]} and spec.num_steps_off == 2
