@@ -6,10 +6,11 @@ Owns the measured wall time of the engine's steps by token bucket (the median of
 bucket's recent steps; the buckets are the runner's: powers of two and 1 + k) and the
 per-step draft budget. A step with B decode rows runs in bucket(B) with no drafts. Drafts
 move it to a bucket b >= bucket(B); D = min(b - B, available) drafts there emit about
-B + a * D tokens (a = accepted / drafted so far, `available` = B x the drafts a row's
-proposal has offered so far) in t(b):
+B + a * D tokens in t(b), where a = accepted / drafted so far and D is the expected
+number of drafts a budget of b - B takes (each row's proposal offers a run of m drafts
+with probability p, both measured so far; a budget that cuts a run short loses its tail):
 
-    budget = b* - B   for the b* that maximises (B + a * min(b - B, available)) / t(b)
+    budget = b* - B   for the b* that maximises (B + a * E[min(b - B, offered)]) / t(b)
 
 So the padding of bucket(B) is always filled with drafts (same bucket, same time), and a
 larger bucket is taken only while its extra tokens pay for themselves: memory-bound steps
@@ -76,26 +77,26 @@ class StepCostModel:
         slope, intercept = np.polyfit(T, t, 1)
         return max(float(intercept + slope * b), 1e-9)
 
-    def draft_budget(self, num_rows: int, drafts_per_row: float,
+    def draft_budget(self, num_rows: int, hit_rate: float, drafts_per_hit: float,
                      acceptance_rate: float) -> tuple[int, bool]:
         """-> (draft tokens to schedule this step, whether it stays in bucket(num_rows)).
-        drafts_per_row: drafts a row's proposal offered on average (misses count as 0);
-        acceptance_rate: accepted / drafted so far."""
+        hit_rate: the share of rows whose proposal offered drafts so far; drafts_per_hit:
+        how many such a proposal offered; acceptance_rate: accepted / drafted so far."""
         if num_rows <= 0:
             return 0, True
         own = self.bucket(num_rows)
-        available = num_rows * drafts_per_row
-        best, best_rate, next_bucket, room = own, None, None, None
+        best, best_rate, next_bucket, room = own, None, None, 0
         for b in self.buckets:
             if b < own:
                 continue
-            if room is not None and room >= available:
-                break  # the drafts on offer all fit in a smaller bucket
+            if best_rate is not None and room >= num_rows * drafts_per_hit:
+                break  # a smaller bucket already holds every draft a step could offer
+            room = b - num_rows
             t = self.step_time(b)
             if t is None:
                 return UNLIMITED, False  # nothing to decide by yet: speculate and measure
-            room = b - num_rows
-            rate = (num_rows + acceptance_rate * min(room, available)) / t
+            drafts = expected_drafts(room, num_rows, hit_rate, drafts_per_hit)
+            rate = (num_rows + acceptance_rate * drafts) / t
             if b > own and next_bucket is None:
                 next_bucket = b
             if best_rate is None or rate > best_rate:
@@ -107,3 +108,21 @@ class StepCostModel:
             return own - num_rows, True
         self._steps_in_own_bucket = 0
         return best - num_rows, False
+
+
+def expected_drafts(budget: int, num_rows: int, hit_rate: float, drafts_per_hit: float) -> float:
+    """E[min(budget, drafts offered)] when each of num_rows rows offers drafts_per_hit drafts
+    with probability hit_rate (else none): a budget that cuts into a hit's run loses the
+    rest of it, so the mean alone would flatter a budget below one whole run."""
+    if budget <= 0 or hit_rate <= 0 or drafts_per_hit <= 0:
+        return 0.0
+    hits_H = np.arange(num_rows + 1)
+    offered_H = np.minimum(budget, hits_H * drafts_per_hit)
+    if hit_rate >= 1:
+        return float(offered_H[-1])
+    # Binomial(num_rows, hit_rate) in logs (a pmf term can underflow at hundreds of rows).
+    log_choose_H = np.concatenate(
+        [[0.0], np.cumsum(np.log(num_rows - hits_H[:-1]) - np.log(hits_H[:-1] + 1))])
+    log_pmf_H = (log_choose_H + hits_H * np.log(hit_rate)
+                 + (num_rows - hits_H) * np.log1p(-hit_rate))
+    return float(np.exp(log_pmf_H) @ offered_H)

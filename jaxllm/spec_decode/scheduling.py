@@ -121,8 +121,9 @@ class SpecDecodeScheduling(NoSpecDecoding):
         self.cost_model = StepCostModel(max_num_batched_tokens, (1 + self.k,))  # llm_engine
         self.draft_budget = UNLIMITED  # drafts the step being scheduled may still take
         self.num_steps_off = 0  # steps the cost model kept in their own bucket
-        self.num_proposals = 0  # proposals asked for the full k (the cost model's supply)
-        self.num_proposed_tokens = 0
+        self.num_proposals = 0  # proposals asked for the full k (the cost model's supply),
+        self.num_hits = 0  # those that offered drafts,
+        self.num_proposed_tokens = 0  # and how many
 
     @property
     def active(self) -> bool:
@@ -133,12 +134,14 @@ class SpecDecodeScheduling(NoSpecDecoding):
         if not self.auto_disable:
             self.draft_budget = UNLIMITED
             return
-        offered = (self.num_proposed_tokens / self.num_proposals if self.num_proposals
-                   else self.k)
-        # Until drafts were verified, assume half of them accepted.
+        # Until proposals ran, assume every row offers k drafts; until drafts were
+        # verified, that half of them are accepted.
+        hit_rate = self.num_hits / self.num_proposals if self.num_proposals else 1.0
+        per_hit = self.num_proposed_tokens / self.num_hits if self.num_hits else self.k
         rate = (self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens
                 else 0.5)
-        self.draft_budget, own = self.cost_model.draft_budget(num_running, offered, rate)
+        self.draft_budget, own = self.cost_model.draft_budget(num_running, hit_rate, per_hit,
+                                                              rate)
         self.num_steps_off += own
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -160,6 +163,7 @@ class SpecDecodeScheduling(NoSpecDecoding):
         drafts = self.proposer.propose(np.asarray(request.all_token_ids, np.int64), cap)
         if cap == self.k:
             self.num_proposals += 1
+            self.num_hits += drafts.size > 0
             self.num_proposed_tokens += drafts.size
         drafts = drafts[:self.draft_budget]
         self.draft_budget -= drafts.size
