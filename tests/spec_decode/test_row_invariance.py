@@ -6,10 +6,10 @@ the greedy tokens can diverge, as the SmolLM2 repetitive benchmark's did at toke
   * models/row_reduce.py row_mean: the same row's mean has the same bits in operands of 1
     to 64 rows (jnp.mean's do not on CPU: XLA's reduce order changes at 8 rows), and equals
     the float64 mean to float32 rounding;
-  * a tiny float32 Llama's whole step (the engine's CPU kernels: attention backend "cpu",
+  * a tiny float32 Llama's, and a tiny Mixtral's (3 of 4 experts per token), whole step (the engine's CPU kernels: attention backend "cpu",
     the platform's preferred linear method): a row's final hidden state, and its logits, are
-    bit-identical alone (T = 2), first of a 5-row verify group (T = 8) and among other
-    sequences' rows (T = 16), over a random cache of a few hundred keys (the lone row's keys
+    bit-identical alone (T = 2), first of a 5-row verify group (T = 8), among other
+    sequences' rows (T = 16) and after another's 60-token prefill chunk (T = 64), over a random cache of a few hundred keys (the lone row's keys
     are split over the attention pool's threads).
 """
 
@@ -26,6 +26,7 @@ from jaxllm.kernels.linear_methods import choose_linear_method
 from jaxllm.models.base import AttentionMetadata
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.models.mixtral import MixtralForCausalLM
 from jaxllm.models.parallel import ParallelOps
 from jaxllm.models.row_reduce import row_mean
 from platform_choice import ON_GPU
@@ -51,11 +52,19 @@ CFG = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=256,
            num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
 
 
-@pytest.fixture(scope="module")
-def forward():
-    cfg = ModelConfig.from_hf_config(CFG)
+# A mixture of experts adds its own reductions: the router's top-k weights and the sum of
+# the chosen experts' outputs (models/moe.py), over k = 3 of 4 experts here.
+MOE_CFG = dict(CFG, architectures=["MixtralForCausalLM"], intermediate_size=128,
+               num_local_experts=4, num_experts_per_tok=3)
+MODELS = {"llama": (CFG, LlamaForCausalLM), "mixtral": (MOE_CFG, MixtralForCausalLM)}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def forward(request):
+    hf_cfg, model_cls = MODELS[request.param]
+    cfg = ModelConfig.from_hf_config(hf_cfg)
     method, _ = choose_linear_method(None, jnp.float32)
-    model = LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = model_cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     model.process_weights_after_loading(method)
     graphdef, state = nnx.split(model)
     ops = ParallelOps(ParallelOps.single_device("cpu").attention, method)
@@ -103,7 +112,9 @@ def test_a_rows_hidden_state_and_logits_do_not_depend_on_the_other_rows(forward)
         others = [(rng.integers(512, size=3).tolist(), 200 + 97 * s, s) for s in (1, 2, 3)]
         layouts = {"alone": ([([tok], p, 0)], 2),
                    "first of 5": ([([tok] + drafts, p, 0)], 8),
-                   "among others": (others[:2] + [([tok], p, 0)] + others[2:], 16)}
+                   "among others": (others[:2] + [([tok], p, 0)] + others[2:], 16),
+                   "after a prefill chunk": ([(rng.integers(512, size=60).tolist(), 200, 1),
+                                              ([tok], p, 0)], 64)}
         got = {}
         for name, (seqs, T) in layouts.items():
             row = sum(len(t) for t, _, _ in seqs[:[s for _, _, s in seqs].index(0)])
