@@ -51,6 +51,7 @@ from jaxllm.research.requests import ResearchLimits
 from jaxllm.runner.buckets import BucketConfig
 from jaxllm.runner.features import make_step_features
 from jaxllm.spec_decode.feature import spec_decode_features
+from jaxllm.spec_decode.draft_model import draft_proposer
 from jaxllm.spec_decode.scheduling import make_spec_scheduling
 from jaxllm.runner.kv_cache import (DeviceMemory, KVCacheSizing, StepMemory,
                                     determine_num_blocks, device_memory, kv_bytes_per_block,
@@ -213,7 +214,8 @@ class LLMEngine:
                               spec_decoding=make_spec_scheduling(
                                   config.speculative_config, kv_cache_manager,
                                   config.max_model_len, config.logprobs_mode,
-                                  config.max_num_batched_tokens),
+                                  config.max_num_batched_tokens,
+                                  draft_proposer(config, mcfg.vocab_size, dtype, num_blocks)),
                               max_loras=self.lora_manager.max_loras)
         self.model_runner = runner
 
@@ -452,6 +454,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """With several processes: tell the followers to stop (also done at exit). The
         engine takes no steps after this."""
+        self.scheduler.spec_decoding.shutdown()
         self.process_group.shutdown()
 
 

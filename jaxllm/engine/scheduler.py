@@ -209,7 +209,7 @@ class Scheduler:
         scheduled_new: list[Request] = []  # first time, or resumed after preemption
         preempted: list[Request] = []
 
-        self.spec_decoding.begin_step(len(self.running))
+        self.spec_decoding.begin_step(self.running)
         # 1. Running requests, in order. A victim of preemption before req_index was
         #    scheduled earlier in this step (only the "priority" policy picks those): its
         #    tokens go back to the budget.

@@ -2,8 +2,9 @@
 
 Owns the fields, their defaults and their checks (vLLM's SpeculativeConfig rules for the
 n-gram method: prompt_lookup_min/max default to each other, both 5 when neither is given,
-min <= max). Never builds a proposer or touches a device. Only method "ngram" is
-implemented; a draft `model`, EAGLE heads and the other methods are refused by name.
+min <= max; a draft `model` alone means method "draft_model"). Never builds a proposer or
+touches a device. Methods "ngram" and "draft_model" are implemented; EAGLE heads and the
+other methods are refused by name.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM methods this engine refuses for now, with the reason in the error.
-_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix",
+_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix",
             "ngram_gpu", "custom_class")
 
 
@@ -24,10 +25,14 @@ class SpeculativeConfig:
     method: str = "ngram"
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    # jaxllm's own (vLLM has none of this name): switch speculation off for a step when the
-    # measured step-time model says its extra tokens cost more than acceptance gives back
-    # (spec_decode/cost_model.py; the role of vLLM's former disable_by_batch_size).
+    # jaxllm's own (vLLM has none of this name): each step's draft budget comes from the
+    # measured step-time model, fewer or no drafts where their extra tokens would cost more
+    # than acceptance gives back (spec_decode/cost_model.py; the role of vLLM's former
+    # disable_by_batch_size). False: every eligible row takes up to k drafts.
     auto_disable: bool = True
+    # The draft checkpoint of method "draft_model" (vLLM's `model`; given alone, it sets
+    # that method): a path or name, as LLM's model, sharing the target's tokenizer.
+    model: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -35,17 +40,16 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a dict or None, got "
                              f"{type(d).__name__}")
         d = dict(d)
-        model = d.pop("model", None)
-        if model is not None and model not in ("ngram", "[ngram]"):
-            raise ValueError(f"speculative_config: a draft model ({model!r}) is not supported "
-                             f"yet; method must be one of {METHODS}")
-        if model is not None and "method" not in d:
-            d["method"] = "ngram"
+        if d.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling of the method
+            d.pop("model")
+            d.setdefault("method", "ngram")
+        elif d.get("model") is not None:
+            d.setdefault("method", "draft_model")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - fields)
         if unknown:
             raise ValueError(f"speculative_config got unknown keys {unknown}; accepted: "
-                             f"{sorted(fields | {'model'})}")
+                             f"{sorted(fields)}")
         if "num_speculative_tokens" not in d:
             raise ValueError("speculative_config needs num_speculative_tokens (an int >= 1)")
         return cls(**d)
@@ -59,6 +63,12 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got "
                              f"{self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config model (a draft checkpoint) is needed by, and "
+                             "only by, method 'draft_model'; got method "
+                             f"{self.method!r} and model {self.model!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config model must be a str, got {self.model!r}")
         if not isinstance(self.auto_disable, bool):
             raise ValueError(f"auto_disable must be a bool, got {self.auto_disable!r}")
         k = self.num_speculative_tokens

@@ -1,6 +1,7 @@
 """N-gram (prompt lookup) proposals from a request's own token history, on the host.
 
-Owns `NgramProposer.propose`: vLLM's rule (ngram_proposer.py) in vectorized numpy instead
+Owns `NgramProposer.propose` (the proposer interface of spec_decode/scheduling.py:
+`begin_step(requests)`, nothing here, and `propose_for(request, k)`): vLLM's rule (ngram_proposer.py) in vectorized numpy instead
 of a numba KMP loop. The longest suffix n-gram (n in [prompt_lookup_min, prompt_lookup_max])
 that occurs earlier in the history is found; among its occurrences the earliest wins; the
 draft is the (up to k) tokens that followed it. One `sliding_window_view` comparison per n,
@@ -22,6 +23,15 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+
+    def begin_step(self, requests) -> None:
+        """Nothing ahead of time: a row's proposal is a lookup in its own history."""
+
+    def propose_for(self, request, k: int) -> np.ndarray:
+        return self.propose(np.asarray(request.all_token_ids, np.int64), k)
+
+    def shutdown(self) -> None:
+        pass
 
     def propose(self, token_ids: np.ndarray, k: int | None = None) -> np.ndarray:
         """Draft tokens (int32, length 0..k) for the history `token_ids` [N]."""

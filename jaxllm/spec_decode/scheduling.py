@@ -6,10 +6,11 @@ verification and the acceptance counters (vLLM's spec_decode_* metrics). The sch
 calls it at these points and never branches on whether speculation is on (`NoSpecDecoding`
 is the same interface doing nothing):
 
-    begin_step(num_running)             how many drafts this step may verify in all
+    begin_step(running)                 how many drafts this step may verify in all
                                         (cost_model.py: the padding of the batch's own
                                         bucket, and a larger bucket only while acceptance
-                                        pays for its extra tokens)
+                                        pays for its extra tokens); a draft model proposes
+                                        for the rows that may take them, in one batch
     observe_step(num_tokens, seconds)   the engine's measured step time (feeds that model)
     num_new_tokens(request, n, budget)  a running row ready to decode (n == 1) may take
                                         1 + m tokens: its last token and m <= K drafts
@@ -85,7 +86,7 @@ class NoSpecDecoding:
     def forget(self, request) -> None:
         pass
 
-    def begin_step(self, num_running: int) -> None:
+    def begin_step(self, running: list) -> None:
         pass
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -100,13 +101,18 @@ class NoSpecDecoding:
     def make_stats(self) -> SpecDecodingStats | None:
         return None
 
+    def shutdown(self) -> None:
+        pass
+
 
 class SpecDecodeScheduling(NoSpecDecoding):
     def __init__(self, config: SpeculativeConfig, kv_cache_manager, max_model_len: int,
-                 logprobs_mode: str = "raw_logprobs", max_num_batched_tokens: int = 8192):
+                 logprobs_mode: str = "raw_logprobs", max_num_batched_tokens: int = 8192,
+                 proposer=None):
+        """proposer: the draft model's (draft_model.py); None: n-gram lookup (ngram.py)."""
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(self.k, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        self.proposer = proposer or NgramProposer(self.k, config.prompt_lookup_min,
+                                                  config.prompt_lookup_max)
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.raw_logprobs = logprobs_mode == "raw_logprobs"
@@ -129,8 +135,22 @@ class SpecDecodeScheduling(NoSpecDecoding):
     def active(self) -> bool:
         return self.draft_budget > 0
 
-    def begin_step(self, num_running: int) -> None:
-        """Set the draft budget of the step being scheduled, with num_running rows."""
+    def begin_step(self, running: list) -> None:
+        """Set the draft budget of the step being scheduled, with the `running` requests;
+        a draft model proposes for the rows that may take drafts, all at once."""
+        self._set_budget(len(running))
+        rows = [r for r in running if self._may_draft(r)] if self.draft_budget > 0 else []
+        self.proposer.begin_step(rows[:-(-self.draft_budget // self.k)])
+
+    def _may_draft(self, request) -> bool:
+        return (not request.num_output_placeholders
+                and request.num_computed_tokens == request.num_tokens - 1
+                and request.num_output_tokens >= request.sampling_params.min_tokens
+                and request.num_tokens + 1 < min(request.num_prompt_tokens + request.max_tokens,
+                                                 self.max_model_len)
+                and may_speculate(request.sampling_params, self.raw_logprobs))
+
+    def _set_budget(self, num_running: int) -> None:
         if not self.auto_disable:
             self.draft_budget = UNLIMITED
             return
@@ -149,10 +169,7 @@ class SpecDecodeScheduling(NoSpecDecoding):
 
     def num_new_tokens(self, request, num_new_tokens: int, token_budget: int) -> int:
         self.forget(request)
-        if (not self.active or num_new_tokens != 1 or request.num_output_placeholders
-                or request.num_computed_tokens != request.num_tokens - 1
-                or request.num_output_tokens < request.sampling_params.min_tokens
-                or not may_speculate(request.sampling_params, self.raw_logprobs)):
+        if not self.active or num_new_tokens != 1 or not self._may_draft(request):
             return num_new_tokens
         # The step emits up to m + 1 tokens: stay within max_tokens and max_model_len.
         cap = min(self.k, token_budget - 1,
@@ -160,7 +177,7 @@ class SpecDecodeScheduling(NoSpecDecoding):
                   self.max_model_len - request.num_tokens - 1)
         if cap <= 0:
             return num_new_tokens
-        drafts = self.proposer.propose(np.asarray(request.all_token_ids, np.int64), cap)
+        drafts = self.proposer.propose_for(request, cap)
         if cap == self.k:
             self.num_proposals += 1
             self.num_hits += drafts.size > 0
@@ -193,6 +210,9 @@ class SpecDecodeScheduling(NoSpecDecoding):
         self.num_accepted_tokens += accepted
         self.accepted_per_pos[:accepted] += 1
 
+    def shutdown(self) -> None:
+        self.proposer.shutdown()  # a draft model's engine
+
     def make_stats(self) -> SpecDecodingStats:
         return SpecDecodingStats(self.num_drafts, self.num_draft_tokens,
                                  self.num_accepted_tokens,
@@ -201,11 +221,12 @@ class SpecDecodeScheduling(NoSpecDecoding):
 
 def make_spec_scheduling(config: SpeculativeConfig | None, kv_cache_manager,
                          max_model_len: int, logprobs_mode: str = "raw_logprobs",
-                         max_num_batched_tokens: int = 8192) -> NoSpecDecoding:
+                         max_num_batched_tokens: int = 8192,
+                         proposer=None) -> NoSpecDecoding:
     if config is None:
         return NoSpecDecoding()
     return SpecDecodeScheduling(config, kv_cache_manager, max_model_len, logprobs_mode,
-                                max_num_batched_tokens)
+                                max_num_batched_tokens, proposer)
 
 
 def rows_for(logprobs, num_kept: int, num_sampled: int):

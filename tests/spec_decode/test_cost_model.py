@@ -99,17 +99,17 @@ def test_the_scheduler_drafts_within_the_budget():
     for T in (2, 4, 5, 8, 16, 32, 64, 128, 256, 512):
         spec.observe_step(T, steep(T))
     # One row: the 1 + k bucket (5) takes all 4 drafts: 3 / 1.5 ms beats bucket 4's 2.5 / 1.4.
-    spec.begin_step(1)
+    spec.begin_step([r])
     assert spec.draft_budget == 4 and spec.num_new_tokens(r, 1, 512) == 5
     assert spec.draft_budget == 0
     spec.forget(r)  # unscheduled: its drafts go back to the budget
     assert spec.draft_budget == 4 and spec.take_scheduled() == {}
     assert (spec.num_proposals, spec.num_hits, spec.num_proposed_tokens) == (1, 1, 4)
     # 64 rows fill bucket 64 exactly: no drafts.
-    spec.begin_step(64)
+    spec.begin_step([r] * 64)
     assert not spec.active and spec.num_new_tokens(r, 1, 512) == 1
     assert spec.num_steps_off == 1
     # 62 rows: 2 padding rows of bucket 64, so this row gets 2 of its 4 drafts.
-    spec.begin_step(62)
+    spec.begin_step([r] * 62)
     assert spec.draft_budget == 2 and spec.num_new_tokens(r, 1, 512) == 3
     assert spec.take_scheduled() == {"a": [9, 7]} and spec.num_steps_off == 2

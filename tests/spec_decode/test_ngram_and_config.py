@@ -49,10 +49,19 @@ def test_config_defaults_and_refusals(caplog):
            ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
            ({"method": "beam", "num_speculative_tokens": 2}, "method must be one of"),
            ({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet"),
-           ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft model"),
+           ({"method": "draft_model", "num_speculative_tokens": 2},
+            "needed by, and only by, method 'draft_model'"),
+           ({"method": "ngram", "model": "/some/draft", "num_speculative_tokens": 2},
+            "needed by, and only by, method 'draft_model'"),
+           ({"model": 3, "num_speculative_tokens": 2}, "model must be a str"),
            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
              "prompt_lookup_max": 3}, "prompt_lookup_min=5 must be <= prompt_lookup_max=3"),
            ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys")]
+    # vLLM's draft-model form: the model alone sets the method; "[ngram]" is n-gram's.
+    c = SpeculativeConfig.from_dict({"model": "/some/draft", "num_speculative_tokens": 2})
+    assert (c.method, c.model) == ("draft_model", "/some/draft")
+    c = SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 2})
+    assert (c.method, c.model) == ("ngram", None)
     for d, message in bad:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_dict(d)
