@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram) against speculation off, in the same run (issue 23).
+"""Speculative decoding (n-gram, or --draft-model) against speculation off, in the same run
+(issue 23).
 
 Workloads (all greedy):
   edit        an editing task: "fix the spelling mistakes in this text" over a passage with a
@@ -21,7 +22,9 @@ verified run, the bonus included: vLLM's definition), the proposer's hit rate (t
 a row's decode steps that verified drafts: prompt lookup found a match, approximately, as a
 run cut by EOS or max_tokens counts as whole), at batch 1 the inter-token latency
 (wall time per output token), and the compiles that happened while timing (0 unless
---enforce-eager met a new bucket). Greedy outputs are compared (they must be identical).
+--enforce-eager met a new bucket), and cost_model_steps_off_total: the steps whose draft
+budget the cost model kept within their own token bucket (spec_decode/cost_model.py).
+Greedy outputs are compared (they must be identical).
 
     python benchmarks/spec_decode.py                              # SmolLM2, the defaults
     python benchmarks/spec_decode.py --batch-sizes 1 --num-requests 2 --output-len 64
@@ -124,6 +127,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed passes per engine (median)")
     p.add_argument("--workloads", nargs="+", default=("edit", "repetitive", "peer"),
                    choices=("edit", "repetitive", "peer"))
+    p.add_argument("--draft-model", default=None,
+                   help="speculate with this draft model instead of n-gram lookup ('self': "
+                        "the target as its own draft, which must accept every draft)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true",
@@ -140,6 +146,10 @@ def main() -> None:
                   enforce_eager=args.enforce_eager)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}
+    if args.draft_model:
+        from jaxllm.models.resolve import DEFAULT_MODEL
+        draft = (args.model or DEFAULT_MODEL) if args.draft_model == "self" else args.draft_model
+        spec_cfg = {"model": draft, "num_speculative_tokens": args.k}
     off = LLM(**common, async_scheduling=True)
     on = LLM(**common, speculative_config=spec_cfg)
     tok = off.get_tokenizer()

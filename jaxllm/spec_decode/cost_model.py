@@ -53,6 +53,7 @@ class StepCostModel:
         self._recent: dict[int, list[float]] = {}  # bucket -> its last WINDOW step times
         self.seconds: dict[int, float] = {}  # bucket -> their median
         self._steps_in_own_bucket = 0
+        self._proposal: list[float] = []  # a proposer's recent seconds per proposing row
 
     def bucket(self, num_tokens: int) -> int:
         return pad_to_bucket(min(max(num_tokens, 2), self.max_tokens), self.buckets,
@@ -77,6 +78,13 @@ class StepCostModel:
         slope, intercept = np.polyfit(T, t, 1)
         return max(float(intercept + slope * b), 1e-9)
 
+    def observe_proposal(self, num_rows: int, seconds: float) -> None:
+        """A proposer's time ahead of a step (a draft model's run over num_rows rows): the
+        cost per proposing row, added to a candidate's step time by the rows it drafts."""
+        if num_rows > 0:
+            self._proposal.append(seconds / num_rows)
+            del self._proposal[:-WINDOW]
+
     def draft_budget(self, num_rows: int, hit_rate: float, drafts_per_hit: float,
                      acceptance_rate: float) -> tuple[int, bool]:
         """-> (draft tokens to schedule this step, whether it stays in bucket(num_rows)).
@@ -85,29 +93,34 @@ class StepCostModel:
         if num_rows <= 0:
             return 0, True
         own = self.bucket(num_rows)
-        best, best_rate, next_bucket, room = own, None, None, 0
-        for b in self.buckets:
-            if b < own:
-                continue
-            if best_rate is not None and room >= num_rows * drafts_per_hit:
+        per_row = float(np.median(self._proposal)) if self._proposal else 0.0
+        # (bucket, room for drafts): none at all first, then the own bucket's padding.
+        candidates = [(own, 0)] + [(b, b - num_rows) for b in self.buckets if b >= own]
+        best, best_room, best_rate, next_bucket, prev_room = own, 0, None, None, None
+        for b, room in candidates:
+            if prev_room is not None and prev_room >= num_rows * drafts_per_hit:
                 break  # a smaller bucket already holds every draft a step could offer
-            room = b - num_rows
+            if room <= 0 and prev_room is not None:
+                continue
+            prev_room = room
             t = self.step_time(b)
             if t is None:
                 return UNLIMITED, False  # nothing to decide by yet: speculate and measure
+            if room > 0:
+                t += per_row * min(num_rows, -(-room // max(drafts_per_hit, 1)))
             drafts = expected_drafts(room, num_rows, hit_rate, drafts_per_hit)
             rate = (num_rows + acceptance_rate * drafts) / t
             if b > own and next_bucket is None:
                 next_bucket = b
             if best_rate is None or rate > best_rate:
-                best, best_rate = b, rate
+                best, best_room, best_rate = b, room, rate
         if best == own:
             self._steps_in_own_bucket += 1
             if next_bucket is not None and self._steps_in_own_bucket % PROBE_EVERY == 0:
                 return next_bucket - num_rows, False  # probe
-            return own - num_rows, True
+            return best_room, True
         self._steps_in_own_bucket = 0
-        return best - num_rows, False
+        return best_room, False
 
 
 def expected_drafts(budget: int, num_rows: int, hit_rate: float, drafts_per_hit: float) -> float:

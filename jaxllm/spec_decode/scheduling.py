@@ -34,6 +34,7 @@ Never touches a device.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -130,6 +131,7 @@ class SpecDecodeScheduling(NoSpecDecoding):
         self.num_proposals = 0  # proposals asked for the full k (the cost model's supply),
         self.num_hits = 0  # those that offered drafts,
         self.num_proposed_tokens = 0  # and how many
+        self._proposal_seconds = 0.0  # the proposer's time in the step being scheduled
 
     @property
     def active(self) -> bool:
@@ -140,7 +142,12 @@ class SpecDecodeScheduling(NoSpecDecoding):
         a draft model proposes for the rows that may take drafts, all at once."""
         self._set_budget(len(running))
         rows = [r for r in running if self._may_draft(r)] if self.draft_budget > 0 else []
-        self.proposer.begin_step(rows[:-(-self.draft_budget // self.k)])
+        rows = rows[:-(-self.draft_budget // self.k)]
+        t0 = time.perf_counter()
+        self.proposer.begin_step(rows)
+        # Its time is the proposer's, not the step's (cost_model.py weighs it per row).
+        self._proposal_seconds = time.perf_counter() - t0
+        self.cost_model.observe_proposal(len(rows), self._proposal_seconds)
 
     def _may_draft(self, request) -> bool:
         return (not request.num_output_placeholders
@@ -165,7 +172,8 @@ class SpecDecodeScheduling(NoSpecDecoding):
         self.num_steps_off += own
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.cost_model.observe(num_tokens, seconds)
+        self.cost_model.observe(num_tokens, seconds - self._proposal_seconds)
+        self._proposal_seconds = 0.0
 
     def num_new_tokens(self, request, num_new_tokens: int, token_budget: int) -> int:
         self.forget(request)

@@ -81,6 +81,17 @@ def test_a_budget_that_cuts_a_run_short_loses_its_tail():
     assert model.draft_budget(1, 0.7, 4, 0.5) == (4, False)
 
 
+def test_a_draft_models_time_counts_per_proposing_row():
+    model = measured(steep)
+    # 10 ms per row (a draft model as slow as the target): no drafts, not even the padding's.
+    model.observe_proposal(2, 0.020)
+    assert model.draft_budget(1, 1.0, 4, 1.0) == (0, True)
+    # 0.1 ms per row: bucket 4 (4 tokens in 1.4 + 0.1 ms) beats 8 (5 in 1.8 + 0.1 ms).
+    cheap = measured(steep)
+    cheap.observe_proposal(1, 0.0001)
+    assert cheap.draft_budget(1, 1.0, 4, 1.0) == (3, False)
+
+
 def test_staying_in_its_own_bucket_probes_the_next_one_now_and_then():
     model = measured(steep)
     budgets = [model.draft_budget(64, 1.0, 4, 0.5) for _ in range(32)]
