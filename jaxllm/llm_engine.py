@@ -167,10 +167,11 @@ class LLMEngine:
         max_blocks = -(-config.max_model_len // config.block_size)
         # Every backend reads only each sequence's own pages, so one block-table width serves.
         # Speculation: a batch-1 verify step (1 + k rows) gets its own bucket.
-        spec = config.speculative_config
+        spec_k = (config.speculative_config.num_speculative_tokens
+                  if config.speculative_config is not None else 0)
         buckets = BucketConfig.create(
             config.max_num_batched_tokens, config.max_num_seqs, max_blocks, bucket_widths=False,
-            extra_tokens=(1 + spec.num_speculative_tokens,) if spec is not None else ())
+            extra_tokens=(1 + spec_k,) if spec_k else ())
         # No KV cache yet (0 blocks): on an accelerator it is sized from a profile first.
         runner = ModelRunner(model, num_blocks=0, block_size=config.block_size,
                              kv_dtype=dtype, buckets=buckets, attention_backend=backend,
@@ -186,7 +187,8 @@ class LLMEngine:
                                                          hidden_size=mcfg.hidden_size,
                                                          num_heads=mcfg.num_attention_heads,
                                                          head_dim=mcfg.head_dim,
-                                                         vocab_size=mcfg.vocab_size)
+                                                         vocab_size=mcfg.vocab_size,
+                                                         num_speculative_tokens=spec_k)
                              + spec_decode_features(config.speculative_config,
                                                     config.max_num_seqs, mcfg.vocab_size,
                                                     config.max_logprobs)

@@ -307,9 +307,11 @@ class Scheduler:
                 if request.structured_output_request is not None:
                     constrained.append(request)
         grammar_bitmask = None
-        if constrained:  # the tokens each grammar allows at the position sampled
+        spec_decode_tokens = self.spec_decoding.take_scheduled()
+        if constrained:  # the tokens each grammar allows at the position sampled (and drafts)
             grammar_bitmask = self.structured_output_manager.grammar_bitmask(
-                [r.structured_output_request for r in constrained])
+                [r.structured_output_request for r in constrained],
+                [spec_decode_tokens.get(r.request_id, []) for r in constrained])
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -320,7 +322,7 @@ class Scheduler:
             blocks_to_copy=self.kv_cache_manager.blocks_to_copy,
             structured_output_request_ids=[r.request_id for r in constrained],
             grammar_bitmask=grammar_bitmask,
-            scheduled_spec_decode_tokens=self.spec_decoding.take_scheduled(),
+            scheduled_spec_decode_tokens=spec_decode_tokens,
         )
         self.kv_cache_manager.blocks_to_copy = []
         self._preempted_req_ids = set()

@@ -164,19 +164,42 @@ class StructuredOutputManager:
             concurrent.futures.wait(pending, timeout=timeout,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def grammar_bitmask(self, requests: list[StructuredOutputRequest]) -> np.ndarray:
-        """[k, ceil(V / 32)] int32: row i = the tokens request i's grammar allows next (EOS
-        only where the grammar may end), filled in parallel."""
+    def grammar_bitmask(self, requests: list[StructuredOutputRequest],
+                        drafts: list[list[int]] | None = None) -> np.ndarray:
+        """[n, P, ceil(V / 32)] int32: the tokens request i's grammar allows (EOS only where
+        the grammar may end), filled in parallel. Row [i, 0] is for the position it samples;
+        with speculative drafts (drafts[i], already valid: validate_drafts), that comes after
+        them all, and row [i, 1 + j] is the position that verifies draft j (the grammar
+        after drafts[i][:j]). P = 1 + the most drafts of any request; rows past a request's
+        own drafts allow everything. The matchers are advanced through the drafts and rolled
+        back: they end where they began."""
         t0 = time.perf_counter()
-        bitmask = np.full((len(requests), self.num_words), -1, np.int32)
+        drafts = drafts or [[] for _ in requests]
+        P = 1 + max((len(d) for d in drafts), default=0)
+        bitmask = np.full((len(requests), P, self.num_words), -1, np.int32)
         if self._ll_executor is None:
             self._ll_executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self._ll_executor, [(r.matcher, i) for i, r in enumerate(requests)], bitmask)
+        flat = bitmask.reshape(len(requests) * P, self.num_words)
+        for j in range(P):  # position j: after j drafts
+            rows = [(r.matcher, i * P + (1 + j if j < len(d) else 0))
+                    for i, (r, d) in enumerate(zip(requests, drafts)) if j <= len(d)]
+            llguidance.numpy.fill_next_token_bitmask_par(self._ll_executor, rows, flat)
+            for r, d in zip(requests, drafts):
+                if j < len(d) and not r.matcher.consume_token(d[j]):
+                    raise ValueError(f"the grammar refused draft token {d[j]}: "
+                                     f"{r.matcher.get_error()}")
+        for r, d in zip(requests, drafts):
+            if d:
+                r.matcher.rollback(len(d))
         self.mask_fill_seconds += time.perf_counter() - t0
         self.num_mask_fills += 1
         self.num_mask_rows += len(requests)
         return bitmask
+
+    @staticmethod
+    def validate_drafts(request: StructuredOutputRequest, drafts) -> int:
+        """How many of the leading drafts the grammar accepts (the matcher does not move)."""
+        return request.matcher.validate_tokens([int(t) for t in drafts])
 
     def accept_tokens(self, request: StructuredOutputRequest, token_ids: list[int]) -> None:
         """Advance the matcher; ValueError if the grammar refuses a token (the request then

@@ -17,6 +17,9 @@ features through one traced step. A feature is one object with three parts (STYL
                                      at a named point of the forward (the residual stream's
                                      sites, jaxllm/research/requests.py; "logits" [S, V]
                                      before sampling, rows by hooks.slot_S); returns x_TD
+              verify_constrained(hooks, K), mask_verify_rows(hooks, K, x_RV)
+                                     speculative verification's logits [S * K, V]: whether
+                                     any is constrained, and as constrained (grammars)
               after_sampling(step, hooks)
                                      at the "sampled" point, after the sampler: the step's
                                      hidden states, logits function, metadata and sample
@@ -75,6 +78,15 @@ class StepFeature:
 
     def prepare(self, step) -> Any:
         return None
+
+    def verify_constrained(self, hooks: StepHooks, K: int) -> jax.Array | None:
+        """Speculative verification: does this feature constrain any of the S x K verify
+        rows this step (a traced bool), or None if it never does."""
+        return None
+
+    def mask_verify_rows(self, hooks: StepHooks, K: int, x_RV: jax.Array) -> jax.Array:
+        """The verify rows' logits [S * K, V] as this feature constrains them."""
+        return x_RV
 
     def transform(self, site: str, layer: int | None, x_TD: jax.Array,
                   hooks: StepHooks) -> jax.Array:

@@ -24,8 +24,10 @@ does (temperature, min-p, top-k, top-p) and runs `rejection_sample`:
   static  K = num_speculative_tokens
 
 Rows that get drafts are only those the scheduler found eligible (spec_decode/scheduling.py:
-no penalties, bad words, allowed ids, logit bias or grammar), so the sampler's other logits
-processors never have to run on the verify positions. Logprobs of the emitted tokens are
+no penalties, bad words, allowed ids or logit bias), so the sampler's other logits
+processors never have to run on the verify positions; a grammar's masks at the verify rows
+come from the features that constrain them (`mask_verify_rows`: runner/features/grammar.py),
+applied before both the greedy argmax and the sampling rows' processing. Logprobs of the emitted tokens are
 raw logprobs (rows asking for them get drafts only in the raw_logprobs mode): the verify
 rows' for the drafts and the recovered token, the sampler's for the bonus. Never proposes, never
 decides acceptance rules (rejection.py), never touches the token history.
@@ -109,13 +111,29 @@ class SpecDecodeFeature(StepFeature):
                 logits_RV = step.logits_fn(step.hidden_TD[rows_R])  # [S * K, V]
                 argmax_SK = argmax_first(logits_RV).reshape(S, K)
                 raw_RV = lambda: logits_RV  # noqa: E731
+            # Features that constrain the verify rows (grammars): both checks run on the
+            # constrained logits, which are built only in a step where some row is.
+            constrained = [c for f in hooks.features
+                           if (c := f.verify_constrained(hooks, K)) is not None]
+            verify_RV = raw_RV
+            if constrained:
+                def masked_RV():
+                    x_RV = raw_RV()
+                    for f in hooks.features:
+                        x_RV = f.mask_verify_rows(hooks, K, x_RV)
+                    return x_RV
+
+                verify_RV = masked_RV
+                argmax_SK = jax.lax.cond(
+                    jnp.any(jnp.stack(constrained)),
+                    lambda: argmax_first(verify_RV()).reshape(S, K), lambda: argmax_SK)
             is_greedy_S = smd.temperature < SAMPLING_EPS
             rep = lambda x_S: jnp.repeat(x_S, K, axis=0)  # noqa: E731
 
             def processed_SKV():
                 """Traced only where some row samples (rejection.verify_drafts): greedy rows
                 verify against the raw argmax, so their rows here are never read."""
-                x_RV = raw_RV() / rep(jnp.where(is_greedy_S, 1.0, smd.temperature))[:, None]
+                x_RV = verify_RV() / rep(jnp.where(is_greedy_S, 1.0, smd.temperature))[:, None]
                 x_RV = _apply_min_p(x_RV, rep(smd.min_p))
                 return apply_top_k_top_p(x_RV, rep(smd.top_k), rep(smd.top_p)).reshape(S, K, -1)
 

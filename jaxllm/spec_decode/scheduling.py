@@ -26,8 +26,11 @@ Token ranges of a row with 3 drafts (num_tokens 10 before the step):
     after:       num_computed 13 - 2 rejected = 11 (t9 and d0 computed); tokens 12
 
 A row gets drafts only when verifying them cannot change what its sampler would do: no
-penalties, bad words, allowed ids, logit bias, grammar or research extras (logprobs only in
-the raw_logprobs mode), and past min_tokens (the verify positions skip those processors: spec_decode/feature.py).
+penalties, bad words, allowed ids, logit bias or research extras (logprobs only in the
+raw_logprobs mode), and past min_tokens (the verify positions skip those processors:
+spec_decode/feature.py). A row with a grammar keeps only the leading drafts its grammar
+accepts; the scheduler then sends the grammar's mask at each verify position
+(engine/structured_output.py grammar_bitmask); checking drafts leaves the matcher where it is.
 Never touches a device.
 """
 
@@ -39,6 +42,7 @@ import time
 import numpy as np
 
 from jaxllm.engine.request import CACHE_SALT_KEY
+from jaxllm.engine.structured_output import StructuredOutputManager
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.cost_model import UNLIMITED, StepCostModel
 from jaxllm.spec_decode.ngram import NgramProposer
@@ -71,7 +75,6 @@ def may_speculate(params, raw_logprobs: bool = True) -> bool:
     return not (params.presence_penalty or params.frequency_penalty
                 or params.repetition_penalty != 1.0 or params.bad_words
                 or params.allowed_token_ids or params.logit_bias
-                or params.structured_outputs is not None
                 or (params.logprobs is not None and not raw_logprobs)
                 or params.logits_processors or extra)
 
@@ -186,6 +189,9 @@ class SpecDecodeScheduling(NoSpecDecoding):
         if cap <= 0:
             return num_new_tokens
         drafts = self.proposer.propose_for(request, cap)
+        grammar = request.structured_output_request
+        if grammar is not None and drafts.size:  # only what the grammar accepts
+            drafts = drafts[:StructuredOutputManager.validate_drafts(grammar, drafts)]
         if cap == self.k:
             self.num_proposals += 1
             self.num_hits += drafts.size > 0

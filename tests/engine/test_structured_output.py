@@ -71,10 +71,10 @@ def test_bitmask_follows_the_matcher_and_allows_eos_only_at_the_end(manager, tok
     assert request.is_ready()
     yes = tokenizer.encode("yes", add_special_tokens=False)
     eos = tokenizer.eos_token_id
-    first = allowed(manager.grammar_bitmask([request])[0])
+    first = allowed(manager.grammar_bitmask([request])[0, 0])
     assert yes[0] in first and eos not in first
     manager.accept_tokens(request, yes)
-    assert allowed(manager.grammar_bitmask([request])[0]).tolist() == [eos]
+    assert allowed(manager.grammar_bitmask([request])[0, 0]).tolist() == [eos]
     manager.accept_tokens(request, [eos])  # ends it; the matcher stays where it was
     with pytest.raises(ValueError, match="the grammar refused sampled token"):
         manager.accept_tokens(manager_ready(manager, choice("yes", "no")),
@@ -98,6 +98,30 @@ def add(sched, req_id, constraint=None, prompt_len=4):
     sched.add_request(Request(req_id, list(range(100, 100 + prompt_len)), params, 2, 0.0))
 
 
+def test_drafts_are_checked_and_masked_per_position_and_the_matcher_stays(manager, tokenizer):
+    """Speculative decoding's half: how many drafts the grammar accepts, and the mask at
+    each verify position (row 1 + j: after j drafts) and at the sampled one (row 0: after
+    all), the matcher rolled back afterwards; rows of a request with fewer drafts allow all."""
+    eos = tokenizer.eos_token_id
+    digits = list(range(32, 42))  # "0".."9"
+    assert tokenizer.convert_ids_to_tokens(digits) == list("0123456789")
+    two = manager_ready(manager, StructuredOutputsParams(regex="[0-9]{2}"))
+    one = manager_ready(manager, StructuredOutputsParams(regex="[0-9]"))
+    assert manager.validate_drafts(two, [33, 34, 35]) == 2  # a third digit: too many
+    assert manager.validate_drafts(two, [81, 33]) == 0  # "a"
+    masks = manager.grammar_bitmask([two, one], [[33, 34], []])
+    assert masks.shape == (2, 3, V // 32)
+    assert allowed(masks[0, 1]).tolist() == digits  # verifies draft 0
+    assert allowed(masks[0, 2]).tolist() == digits  # after "1": verifies draft 1
+    assert allowed(masks[0, 0]).tolist() == [eos]  # after "12": samples
+    assert allowed(masks[1, 0]).tolist() == digits
+    assert (masks[1, 1:] == -1).all()
+    # Both matchers are where they were.
+    again = manager.grammar_bitmask([two, one])
+    assert again.shape == (2, 1, V // 32)
+    assert allowed(again[0, 0]).tolist() == digits == allowed(again[1, 0]).tolist()
+
+
 def test_request_waits_for_its_grammar_while_others_run(manager, tokenizer):
     gate = threading.Event()
     compile_ = manager._compile
@@ -116,7 +140,8 @@ def test_request_waits_for_its_grammar_while_others_run(manager, tokenizer):
     assert out.num_scheduled_tokens == {"plain": 1, "slow": 4}
     assert out.structured_output_request_ids == ["slow"]
     a = tokenizer.encode("a", add_special_tokens=False)[0]
-    assert out.grammar_bitmask.shape == (1, V // 32) and a in allowed(out.grammar_bitmask[0])
+    assert out.grammar_bitmask.shape == (1, 1, V // 32)
+    assert a in allowed(out.grammar_bitmask[0, 0])
 
 
 def test_failed_compile_fails_that_request_alone(manager):
@@ -142,7 +167,7 @@ def test_constrained_request_never_runs_with_a_token_in_flight(manager, tokenize
     assert first.structured_output_request_ids == ["c"]
     second = sched.schedule()  # async: scheduled before the first is folded back
     assert second.is_empty and second.grammar_bitmask is None
-    token = allowed(first.grammar_bitmask[0])[0]
+    token = allowed(first.grammar_bitmask[0, 0])[0]
     sched.update_from_output(first, ModelRunnerOutput(["c"], [[int(token)]]))
     assert sched.schedule().structured_output_request_ids == ["c"]
 
@@ -180,7 +205,7 @@ class FakeRunner:
         masks = dict(zip(so.structured_output_request_ids,
                          so.grammar_bitmask if so.grammar_bitmask is not None else []))
         req_ids = list(so.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids, [[int(allowed(masks[r])[0])] if r in masks else [7]
+        return ModelRunnerOutput(req_ids, [[int(allowed(masks[r][0])[0])] if r in masks else [7]
                                            for r in req_ids])
 
     def execute_model(self, so):

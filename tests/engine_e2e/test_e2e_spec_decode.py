@@ -11,6 +11,7 @@ buckets would cost as much again to compile).
   * random sampling: the token sampled at a verified position follows HF's conditional
     distribution (chi-square over the samples), and seeded requests reproduce;
   * the spec_decode_* metrics count what the scheduler verified.
+(With a grammar: test_e2e_spec_grammar.py.)
 """
 
 from __future__ import annotations
@@ -184,3 +185,4 @@ def test_spec_decode_metrics(engine):
                for j in range(4)]
     assert per_pos == list(stats.num_accepted_tokens_per_pos)
     assert sum(per_pos) == stats.num_accepted_tokens and per_pos == sorted(per_pos)[::-1]
+

@@ -12,8 +12,8 @@ from jaxllm.runner.step_features import StepFeature
 
 
 def make_step_features(research: ResearchConfig | None, *, num_slots: int, hidden_size: int,
-                       num_heads: int = 0, head_dim: int = 0, vocab_size: int = 0
-                       ) -> tuple[StepFeature, ...]:
+                       num_heads: int = 0, head_dim: int = 0, vocab_size: int = 0,
+                       num_speculative_tokens: int = 0) -> tuple[StepFeature, ...]:
     """The features of an engine, in the order they apply at a shared point: ablation and
     steering first, so that a capture sees the values the model goes on with. vocab_size
     > 0: logit biases, then grammar bitmasks, on the logits (a bias cannot lift a token
@@ -22,7 +22,7 @@ def make_step_features(research: ResearchConfig | None, *, num_slots: int, hidde
     features: list[StepFeature] = []
     if vocab_size:
         features.append(LogitBias(num_slots, vocab_size))
-        features.append(GrammarBitmask(num_slots, vocab_size))
+        features.append(GrammarBitmask(num_slots, vocab_size, num_speculative_tokens))
     if research.ablate_layers:
         features.append(HeadAblationFeature(research.ablate_layers, num_slots, num_heads,
                                             head_dim))
