@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from jaxllm import LLM, SamplingParams
-from tiny_model import SMALL, TINY_CONFIG, build_tiny_hf_dir, greedy, token_ids
+from tiny_model import SMALL, TINY_CONFIG, build_tiny_hf_dir, greedy, hf_greedy, token_ids
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [3, 1, 4, 1, 5, 9, 2, 6],
            list(range(10, 40))]
@@ -51,14 +51,6 @@ def models(tmp_path_factory, tokenizer):
             p.add_(NOISE * torch.randn_like(p))
     noisy.save_pretrained(dirs["noisy"])
     return dirs, hf
-
-
-@torch.no_grad()
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def generate(llm, params):

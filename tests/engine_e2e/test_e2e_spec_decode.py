@@ -23,7 +23,7 @@ from jax.scipy.special import gammaincc
 
 from jaxllm import LLM, SamplingParams
 from test_e2e_warmup import jax_compile_events
-from tiny_model import SMALL, TINY_CONFIG, build_tiny_hf_dir, greedy, token_ids
+from tiny_model import SMALL, TINY_CONFIG, build_tiny_hf_dir, greedy, hf_greedy, token_ids
 
 # auto_disable off: the tests count drafts, which the measured cost model could switch off
 # on a busy machine (tests/spec_decode/test_cost_model.py tests that model).
@@ -50,14 +50,6 @@ def engine(tmp_path_factory, tokenizer):
 
 def prompts(ids):
     return [{"prompt_token_ids": p} for p in ids]
-
-
-@torch.no_grad()
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def spec_stats(llm):

@@ -89,3 +89,14 @@ def metric_values(llm) -> dict[str, float]:
     the engine index."""
     return {m.name: m.value for m in llm.get_metrics()
             if set(m.labels) == {"model_name", "engine"} and hasattr(m, "value")}
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """HF's greedy continuation of `prompt` (n tokens), one full forward per token."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
