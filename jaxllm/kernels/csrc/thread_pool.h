@@ -3,7 +3,9 @@
 // Owns: worker threads started once per process (first use), and `Run(n, fn)`, which calls
 // fn(0) .. fn(n - 1) spread over the workers and the calling thread, handing out indices in
 // order from one atomic counter (callers sort their items largest first), and returns when
-// every call has finished.
+// every call has finished. The caller waits only for items a worker has taken, never for a
+// worker to wake up: a worker that is asleep, or descheduled on a busy machine, when the
+// items run out does not hold the call back (it finds the job over when it gets there).
 // Must never: spawn threads per call; block a second concurrent caller behind the first (a
 // caller that finds the pool busy runs its items itself); spin while idle beyond the window
 // its owner asked for (`spin_us`, 0 by default: other threads, XLA's and the other kernels'
@@ -24,6 +26,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
@@ -73,20 +76,25 @@ class ThreadPool {
       for (int i = 0; i < n; ++i) fn(i);
       return;
     }
+    // The new job's tag goes up closed (no index to hand out) before its fields change, so a
+    // late worker of the last job can no longer claim anything against them; the counter
+    // opens after them, and a worker that claims an item of this job reads them after.
+    const uint32_t job = ++job_;
+    state_.store(static_cast<uint64_t>(job) << 32 | kClosed);
+    fn_.store(&fn, std::memory_order_relaxed);
+    num_items_.store(static_cast<uint32_t>(n), std::memory_order_relaxed);
+    state_.store(static_cast<uint64_t>(job) << 32);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      fn_ = &fn;
-      num_items_ = n;
-      next_.store(0, std::memory_order_relaxed);
-      busy_workers_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
-      generation_.fetch_add(1, std::memory_order_release);
+      generation_.store(job, std::memory_order_release);
     }
     wake_.notify_all();
-    Drain();
-    SpinUntil([this] { return busy_workers_.load(std::memory_order_acquire) == 0; });
+    Drain(job);
+    // Every item is taken; wait for the ones still running on a worker.
+    auto idle = [this] { return in_flight_.load() == 0; };
+    SpinUntil(idle);
     std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [this] { return busy_workers_.load(std::memory_order_acquire) == 0; });
-    fn_ = nullptr;
+    done_.wait(lock, idle);
   }
 
  private:
@@ -98,12 +106,24 @@ class ThreadPool {
     while (!ready() && std::chrono::steady_clock::now() < deadline) sched_yield();
   }
 
-  void Drain() {
-    for (int i = next_.fetch_add(1); i < num_items_; i = next_.fetch_add(1)) (*fn_)(i);
+  // Runs items of job `job` until none is left, or the job is over (a later one has begun).
+  // An item is claimed by a compare-exchange of (job, index) -> (job, index + 1), so a
+  // worker that wakes late never takes an item of a job it did not read.
+  void Drain(uint32_t job) {
+    uint64_t s = state_.load();
+    for (;;) {
+      if (static_cast<uint32_t>(s >> 32) != job) return;
+      const uint32_t i = static_cast<uint32_t>(s);
+      if (i >= num_items_.load(std::memory_order_relaxed)) return;  // kClosed included
+      if (state_.compare_exchange_weak(s, s + 1)) {
+        (*fn_.load(std::memory_order_relaxed))(static_cast<int>(i));
+        s = state_.load();
+      }
+    }
   }
 
   void WorkerLoop() {
-    unsigned long seen = 0;
+    uint32_t seen = 0;
     auto fresh = [&] { return generation_.load(std::memory_order_acquire) != seen; };
     for (;;) {
       SpinUntil(fresh);
@@ -112,26 +132,32 @@ class ThreadPool {
         wake_.wait(lock, fresh);
         seen = generation_.load(std::memory_order_relaxed);
       }
-      Drain();
-      if (busy_workers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      // In flight before claiming: a caller that sees every item taken then sees this count
+      // (both sequentially consistent), and waits for the item this worker claims.
+      in_flight_.fetch_add(1);
+      Drain(seen);
+      if (in_flight_.fetch_sub(1) == 1) {
         std::lock_guard<std::mutex> lock(mu_);  // the caller checks and sleeps under mu_
         done_.notify_one();
       }
     }
   }
 
+  static constexpr uint32_t kClosed = 0xffffffffu;  // state_'s index while a job is set up
+
   const int size_;
   const std::chrono::microseconds spin_;
   const pid_t owner_pid_;
   std::vector<std::thread> workers_;
   std::mutex submit_mu_;  // one job at a time
-  std::mutex mu_;         // guards the job fields below and the counters
+  std::mutex mu_;         // the sleeping workers' and the waiting caller's condition variables
   std::condition_variable wake_, done_;
-  std::atomic<unsigned long> generation_{0};  // written under mu_, polled without it
-  std::atomic<int> busy_workers_{0};
-  const std::function<void(int)>* fn_ = nullptr;
-  int num_items_ = 0;
-  std::atomic<int> next_{0};
+  uint32_t job_ = 0;                        // the last job's number (under submit_mu_)
+  std::atomic<uint32_t> generation_{0};     // the job workers wake up for
+  std::atomic<uint64_t> state_{0};          // (job << 32) | next item to hand out
+  std::atomic<int> in_flight_{0};           // workers inside Drain
+  std::atomic<const std::function<void(int)>*> fn_{nullptr};  // the job's, set before state_
+  std::atomic<uint32_t> num_items_{0};
 };
 
 }  // namespace jaxllm
