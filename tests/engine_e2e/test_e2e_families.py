@@ -18,7 +18,7 @@ import textwrap
 import numpy as np
 import pytest
 from host_devices import run_on_host_devices
-from tiny_model import SMALL, build_tiny_hf_dir
+from tiny_model import SMALL, build_tiny_hf_dir, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -51,17 +51,6 @@ FAMILIES = {
         rope_scaling=dict(type="longrope", short_factor=[1.0 + 0.3 * i for i in range(6)],
                           long_factor=[1.5 + i for i in range(6)]))),
 }
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """HF's greedy continuation, one full no-cache forward per token."""
-    import torch
-
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 _SCRIPT = textwrap.dedent("""
@@ -98,7 +87,7 @@ def runs(tmp_path_factory, tokenizer):
                                **config)
         prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS]
         dirs[name] = (d, prompts)
-        want[name] = [_hf_greedy(hf, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+        want[name] = [hf_greedy(hf, p, n) for p, n in zip(prompts, MAX_TOKENS)]
     tests = os.path.dirname(os.path.dirname(__file__))
     script = _SCRIPT.format(tests=tests, max_tokens=list(MAX_TOKENS), engine=ENGINE)
     proc = run_on_host_devices(["-c", script, json.dumps(dirs)], 2, timeout=900)
