@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer:
+    proposes_ahead = True  # begin_step runs the draft for the step's rows
+
     def __init__(self, engine, num_speculative_tokens: int):
         self.engine = engine
         self.k = num_speculative_tokens

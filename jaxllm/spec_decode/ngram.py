@@ -18,6 +18,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
+    proposes_ahead = False  # a lookup at num_new_tokens needs no rows ahead
+
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int,
                  prompt_lookup_max: int):
         self.k = num_speculative_tokens

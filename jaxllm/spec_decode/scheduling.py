@@ -144,8 +144,8 @@ class SpecDecodeScheduling(NoSpecDecoding):
         """Set the draft budget of the step being scheduled, with the `running` requests;
         a draft model proposes for the rows that may take drafts, all at once."""
         self._set_budget(len(running))
-        rows = [r for r in running if self._may_draft(r)] if self.draft_budget > 0 else []
-        rows = rows[:-(-self.draft_budget // self.k)]
+        rows = ([r for r in running if self._may_draft(r)][:-(-self.draft_budget // self.k)]
+                if self.draft_budget > 0 and self.proposer.proposes_ahead else [])
         t0 = time.perf_counter()
         self.proposer.begin_step(rows)
         # Its time is the proposer's, not the step's (cost_model.py weighs it per row).
